@@ -1,0 +1,50 @@
+# Accelerating TensorFlow: every target sets up .venv from pyproject.toml first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.stamp-install
+NB     ?= chapters/*.ipynb
+LAB_ARGS ?=
+NBVAL  := --nbval --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 120
+export PYTHONHASHSEED := 0
+
+.PHONY: help install lab test unit nbval execute images lint bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 10
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[course,test]"
+	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv and install the package with its extras
+
+lab: $(STAMP)  ## open JupyterLab on chapters/ (headless: make lab LAB_ARGS="--no-browser --port 8899")
+	$(BIN)/jupyter lab --notebook-dir=chapters $(LAB_ARGS)
+
+test: lint unit nbval  ## ruff, unit tests, then every chapter re-run and compared by nbval
+
+unit: $(STAMP)  ## unit tests only
+	$(BIN)/python -m pytest -q tests
+
+nbval: $(STAMP)  ## re-execute the chapters and compare with their stored outputs
+	$(BIN)/python -m pytest -q $(NBVAL) $(NB)
+
+execute: $(STAMP)  ## re-run notebooks in place (NB=chapters/01_devices.ipynb for one)
+	for nb in $(NB); do \
+	  PYTEST_CURRENT_TEST=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+	    --ExecutePreprocessor.timeout=300 $$nb || exit 1; done
+
+images: $(STAMP)  ## regenerate the figures in images/ from code
+	$(BIN)/python -m accel images --out images
+
+lint: $(STAMP)  ## ruff over the package, tests and notebooks
+	$(BIN)/ruff check accel tests chapters conftest.py
+
+bench: $(STAMP)  ## list the benchmarks (run one: .venv/bin/python -m accel bench NAME)
+	$(BIN)/python -m accel bench --list
+
+clean:  ## remove the virtual environment and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache
