@@ -14,10 +14,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-
-import accel  # noqa: F401  (sets TF_CPP_MIN_LOG_LEVEL before TensorFlow is imported)
-
-import tensorflow as tf  # noqa: E402, I001
+import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
 
 __all__ = [
     "setup",
@@ -67,7 +64,8 @@ def _configure(count: int, kind: str, gpu_memory_mb: int) -> str:
         tf.config.set_logical_device_configuration(gpus[0], split)
         return "GPU"
     cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    split = [tf.config.LogicalDeviceConfiguration()] * count
+    tf.config.set_logical_device_configuration(cpu, split)
     return "CPU"
 
 

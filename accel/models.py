@@ -4,10 +4,7 @@ the same network as a Keras model (for strategies and ``fit``)."""
 from __future__ import annotations
 
 import numpy as np
-
-import accel  # noqa: F401
-
-import tensorflow as tf  # noqa: E402, I001
+import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
 
 __all__ = ["mlp_init", "mlp_apply", "keras_mlp"]
 

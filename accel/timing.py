@@ -20,7 +20,7 @@ def time_fn(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float
     executes eagerly on CPU, but a GPU op returns before it has finished.
     """
     if repeat < 1 or warmup < 0:
-        raise ValueError(f"repeat must be >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
+        raise ValueError(f"repeat must be >= 1 and warmup >= 0, got {repeat=}, {warmup=}")
     for _ in range(warmup):
         fn()
     times = []

@@ -100,7 +100,7 @@ def timeline(intervals: Sequence[tuple[str, float, float, str]], title: str = ""
     colors = device_colors([i[3] for i in intervals])
     for lane, start, end, label in intervals:
         if end < start:
-            raise ValueError(f"interval {label!r} on {lane!r} ends ({end}) before it starts ({start})")
+            raise ValueError(f"interval {label!r} on {lane!r}: end {end} < start {start}")
         y = lanes.index(lane)
         ax.barh(y, end - start, left=start, color=colors[label], edgecolor="black", lw=0.4)
         ax.text(start + (end - start) / 2, y, label, ha="center", va="center", fontsize=7)
