@@ -11,8 +11,8 @@ __all__ = ["BENCHMARKS", "get", "run"]
 # name -> ("module:function", one-line description). The function takes no arguments,
 # prints its report and returns the measured numbers as a dict.
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "copy-cost": ("accel.placement:bench_copy_cost",
-                  "an add whose inputs live on another device vs on its own (chapter 02)"),
+    "copy-cost": ("accel.copy_cost:bench",
+                  "ops hopping between devices, and a big tensor used on another device (chapter 02)"),
     "memory": ("accel.memory:bench_memory",
                "peak memory and step time: plain vs recompute vs mixed precision (chapter 04)"),
     "sync-async": ("accel.parameter_server:bench_sync_async",

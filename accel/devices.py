@@ -25,6 +25,7 @@ __all__ = [
     "device_table",
     "format_table",
     "report",
+    "fresh_process_devices",
 ]
 
 KINDS = ("auto", "cpu", "gpu")
@@ -241,3 +242,36 @@ def report() -> str:
         format_table(device_table()),
     ]
     return "\n".join(lines)
+
+
+_PROBE = """
+import json, os
+{before}
+import tensorflow as tf
+{after}
+print("ACCEL_PROBE" + json.dumps({{
+    "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    "physical": [d.name for d in tf.config.list_physical_devices()],
+    "logical": [d.name for d in tf.config.list_logical_devices()]}}))
+"""
+
+
+def fresh_process_devices(env: dict[str, str] | None = None, before_import: str = "",
+                          after_import: str = "", timeout: float = 120) -> dict:
+    """What a *new* Python process sees: physical and logical devices, and its
+    ``CUDA_VISIBLE_DEVICES``. ``env`` is added to this process's environment (as a shell prefix
+    would); ``before_import`` / ``after_import`` are code run before / after ``import
+    tensorflow``. Device visibility is decided once per process, hence the fresh interpreter."""
+    import json
+    import subprocess
+    import sys
+
+    code = _PROBE.format(before=before_import, after=after_import)
+    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, check=False)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ACCEL_PROBE")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"the probe process failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr[-2000:]}")
+    return json.loads(line[len("ACCEL_PROBE"):])

@@ -17,10 +17,10 @@ __all__ = ["FIGURES", "save_figures", "bars", "curves", "timeline", "device_colo
 
 # file name in images/ -> "module:function" returning a Figure
 FIGURES: dict[str, str] = {
-    "01_devices.png": "accel.devices_fig:figure_devices",
-    "01_scale.png": "accel.devices_fig:figure_scale",
-    "02_placement.png": "accel.placement_fig:figure_placement",
-    "03_kernels.png": "accel.placement_fig:figure_kernels",
+    "01_devices.png": "accel.diagrams:figure_devices",
+    "01_scale.png": "accel.scale:figure_scale",
+    "02_placement.png": "accel.diagrams:figure_placement",
+    "03_kernels.png": "accel.diagrams:figure_kernels",
     "04_memory.png": "accel.memory:figure_memory",
     "05_staleness.png": "accel.parameter_server:figure_staleness",
     "06_scaling.png": "accel.data_parallel:figure_scaling",

@@ -1,0 +1,100 @@
+"""What crossing a device boundary costs: measured on this machine, and a cost model for GPUs.
+
+Two effects, measured separately:
+
+* per-edge overhead: a chain of small ops that hops between devices at every step pays a
+  ``_Send``/``_Recv`` pair per hop, even when no byte has to move;
+* bytes moved: a large tensor consumed on another device. Logical CPUs of one process share host
+  memory, so TensorFlow hands the buffer over without copying; between a CPU and a GPU (or two
+  GPUs) the bytes really travel over PCIe / NVLink, which ``transfer_time`` models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from accel.timing import format_ratios, time_fn
+
+__all__ = ["bench", "chain_function", "consume_function", "measure_copy_cost", "transfer_time",
+           "LINK_GBPS"]
+
+# Nominal one-direction bandwidths in GB/s (vendor peak figures; real copies reach ~70-90%).
+LINK_GBPS = {
+    "PCIe 3.0 x16": 15.75,
+    "PCIe 4.0 x16": 31.5,
+    "NVLink 3 (A100, per GPU)": 300.0,
+    "HBM2 (V100 device memory)": 900.0,
+}
+
+
+def chain_function(devices: Sequence[str], length: int) -> tf.types.experimental.GenericFunction:
+    """A ``tf.function`` applying ``length`` small element-wise steps to ``x``; step ``i`` runs on
+    ``devices[i % len(devices)]``, so with two devices every step crosses a device boundary."""
+    if length < 1 or not devices:
+        raise ValueError(f"need length >= 1 and at least one device, got {length=}, {devices=}")
+
+    @tf.function
+    def chain(x):
+        for i in range(length):
+            with tf.device(devices[i % len(devices)]):
+                x = tf.math.sin(x) + 1.0
+        return x
+
+    return chain
+
+
+def consume_function(device: str) -> tf.types.experimental.GenericFunction:
+    """A ``tf.function`` that reduces its (large) input on ``device``."""
+
+    @tf.function
+    def consume(x):
+        with tf.device(device):
+            return tf.reduce_sum(x * 2.0)
+
+    return consume
+
+
+def transfer_time(nbytes: int, link: str) -> float:
+    """Seconds to move ``nbytes`` over ``link`` at its nominal bandwidth (a lower bound)."""
+    if link not in LINK_GBPS:
+        raise ValueError(f"unknown link {link!r}; known: {sorted(LINK_GBPS)}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return nbytes / (LINK_GBPS[link] * 1e9)
+
+
+def measure_copy_cost(devices: Sequence[str] = ("/cpu:0", "/cpu:1"), size: int = 2**22,
+                      chain: int = 64, repeat: int = 7, verbose: bool = False) -> dict[str, float]:
+    """Time the two effects on ``devices[0]`` vs ``devices[0]`` <-> ``devices[1]``.
+
+    Returns the median times (s) and the ratios ``chain_ratio`` (hopping / one device) and
+    ``bulk_ratio`` (tensor consumed on the other device / on its own device).
+    """
+    if len(devices) < 2:
+        raise ValueError(f"need two devices to compare, got {list(devices)}")
+    small = tf.ones((256,))
+    with tf.device(devices[0]):
+        big = tf.random.stateless_normal((size,), seed=(1, 2))
+    times = {}
+    for label, devs in (("chain on one device", devices[:1]), ("chain hopping", devices[:2])):
+        fn = chain_function(list(devs), chain)
+        times[label] = time_fn(lambda fn=fn: fn(small).numpy(), repeat=repeat, warmup=2)
+    for label, dev in (("tensor used in place", devices[0]), ("tensor used elsewhere", devices[1])):
+        fn = consume_function(dev)
+        times[label] = time_fn(lambda fn=fn: fn(big).numpy(), repeat=repeat, warmup=2)
+    if verbose:
+        print(format_ratios({k: times[k] for k in list(times)[:2]}, "chain on one device"))
+        print(format_ratios({k: times[k] for k in list(times)[2:]}, "tensor used in place"))
+    return {**times,
+            "chain_ratio": times["chain hopping"] / times["chain on one device"],
+            "bulk_ratio": times["tensor used elsewhere"] / times["tensor used in place"]}
+
+
+def bench() -> dict[str, float]:
+    """``python -m accel bench copy-cost``: both effects on two of ``accel.devices.setup(2)``."""
+    from accel import devices as accel_devices
+
+    names = accel_devices.setup(2)
+    return measure_copy_cost(devices=names[:2], verbose=True)

@@ -1,0 +1,113 @@
+"""Figures of chapters 01-03, drawn from live TensorFlow data (devices, placements, kernels)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+
+from accel.devices import device_table
+from accel.placement import Placement, registered_kernels
+from accel.viz import device_colors
+
+__all__ = ["figure_devices", "figure_placement", "figure_kernels", "demo_placement",
+           "KERNEL_OPS"]
+
+
+def _box(ax, x, y, text, color, w=2.6, h=0.6):
+    ax.add_patch(plt.Rectangle((x, y - h / 2), w, h, facecolor=color, edgecolor="black", lw=0.6))
+    ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=8)
+
+
+def figure_devices():
+    """Physical devices (left) and the logical devices TensorFlow built from them (right)."""
+    rows = device_table()
+    phys = [r for r in rows if r.level == "physical"]
+    logi = [r for r in rows if r.level == "logical"]
+    fig, ax = plt.subplots(figsize=(7, 0.9 + 0.55 * max(len(phys), len(logi))))
+    colors = {"CPU": "#C6DBEF", "GPU": "#C7E9C0"}
+    for i, r in enumerate(phys):
+        _box(ax, 0, -i, f"{r.name}", colors.get(r.device_type, "#EEEEEE"), w=3.4)
+    for j, r in enumerate(logi):
+        _box(ax, 5, -j, r.name, colors.get(r.device_type, "#EEEEEE"))
+        src = next((i for i, p in enumerate(phys) if p.device_type == r.device_type), 0)
+        ax.annotate("", xy=(5, -j), xytext=(3.4, -src),
+                    arrowprops={"arrowstyle": "->", "lw": 0.7, "color": "grey"})
+    ax.text(1.7, 0.75, "physical (what the machine has)", ha="center", fontsize=9)
+    ax.text(6.3, 0.75, "logical (what ops are placed on)", ha="center", fontsize=9)
+    ax.set_xlim(-0.2, 7.8)
+    ax.set_ylim(-max(len(phys), len(logi)) + 0.3, 1.1)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def demo_placement() -> Placement:
+    """Chapter 02's example: inputs scaled on /cpu:0, added on /cpu:1, sin on /cpu:2.
+
+    The inputs are function arguments, not constants: a graph of constants only is folded into
+    one constant by Grappler before placement, and the requested devices disappear with it.
+    """
+    import tensorflow as tf
+
+    from accel.placement import placement_of
+
+    @tf.function
+    def program(x, y):
+        with tf.device("/cpu:0"):
+            a, b = tf.multiply(x, 2.0, name="a"), tf.multiply(y, 3.0, name="b")
+        with tf.device("/cpu:1"):
+            c = tf.add(a, b, name="c")
+        with tf.device("/cpu:2"):
+            return tf.math.sin(c, name="d")
+
+    return placement_of(program, tf.constant([1.0, 2.0, 3.0]), tf.constant([1.0, 1.0, 1.0]))
+
+
+def figure_placement(placement: Placement | None = None, hide: Sequence[str] = ("_Retval",)):
+    """Ops grouped in one column per device; arrows are the ``_Send`` -> ``_Recv`` copies."""
+    placement = placement or demo_placement()
+    devices = placement.devices()
+    fig, ax = plt.subplots(figsize=(2.8 * len(devices), 0.9 + 0.45 * max(
+        len(placement.ops_on(d)) for d in devices)))
+    colors = device_colors(devices)
+    for col, dev in enumerate(devices):
+        ops = [r for r in placement.ops_on(dev) if r.op_type not in hide]
+        ax.text(col * 3 + 1.2, 0.7, dev, ha="center", fontsize=9, weight="bold")
+        for i, r in enumerate(sorted(ops, key=lambda r: r.name)):
+            _box(ax, col * 3, -i * 0.8, f"{r.name} ({r.op_type})", colors[dev], w=2.4, h=0.55)
+    for _, src, dst in placement.transfers:
+        start, end = devices.index(src) * 3 + 2.4, devices.index(dst) * 3
+        ax.annotate("", xy=(end, 0.35), xytext=(start, 0.35),
+                    arrowprops={"arrowstyle": "->", "color": "#C44E52", "lw": 1.2,
+                                "connectionstyle": "arc3,rad=-0.25"})
+    ax.set_xlim(-0.3, 3 * len(devices))
+    ax.set_ylim(-0.8 * max(len(placement.ops_on(d)) for d in devices), 1.2)
+    ax.axis("off")
+    ax.set_title(f"{len(placement)} ops on {len(devices)} devices, "
+                 f"{len(placement.transfers)} copies", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+KERNEL_OPS = ("VariableV2", "AssignAddVariableOp", "MatMul", "Conv2D", "StringJoin",
+              "DecodeJpeg", "UniqueV2", "TopKV2")
+
+
+def figure_kernels(ops: Sequence[str] = KERNEL_OPS, device_types: Sequence[str] = ("CPU", "GPU")):
+    """How many dtypes each op has a kernel for, per device type (0 = the op cannot run there)."""
+    counts = []
+    for op in ops:
+        table = registered_kernels(op)
+        counts.append([len(table.get(d, [])) for d in device_types])
+    fig, ax = plt.subplots(figsize=(4.2, 0.6 + 0.38 * len(ops)))
+    ax.imshow(counts, cmap="Greens", aspect="auto", vmin=0)
+    for i, row in enumerate(counts):
+        for j, n in enumerate(row):
+            ax.text(j, i, "any" if n and registered_kernels(ops[i]).get(device_types[j]) == ["any"]
+                    else str(n), ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(device_types)), device_types)
+    ax.set_yticks(range(len(ops)), ops)
+    ax.set_title("dtypes with a registered kernel", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,264 @@
+"""Placement: which op ran on which device, and the knobs that decide it.
+
+- ``placement_of(fn, *args)`` / ``placement_of(fetches, session=sess)``: run something once and
+  return the *actual* op -> device table (from the partition graphs TensorFlow executed, so the
+  ``_Send`` / ``_Recv`` pairs of every copy between devices are in it too).
+- ``session_config(...)``: a TF1 ``ConfigProto`` that sees the same devices as eager TensorFlow.
+- ``log_placement()``: capture TensorFlow's placement log (C-level output) as a table.
+- ``soft_placement(enabled)``: switch TF2 soft placement for a block, restored on exit.
+- ``by_op_type`` / ``variables_on``: device functions for ``tf.compat.v1.device(fn)``.
+- ``registered_kernels(op_type)``: device type -> dtypes, live from TensorFlow's kernel registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import tensorflow as tf
+from tensorflow.python.eager import context
+
+from accel.devices import parse_device
+from accel.kernels import kernel_gaps, registered_kernels
+
+__all__ = [
+    "OpPlacement", "Placement", "placement_of", "session_config", "log_placement",
+    "soft_placement", "by_op_type", "variables_on", "registered_kernels", "kernel_gaps",
+    "short_error",
+]
+
+
+@dataclass(frozen=True)
+class OpPlacement:
+    """One executed op: its name, type, the device it ran on and the device it asked for."""
+
+    name: str
+    op_type: str
+    device: str  # short form, e.g. '/device:CPU:2' ('/job:worker/task:1/device:CPU:0' remote)
+    requested: str = ""  # what tf.device asked for ('' = no request)
+
+
+def short_device(full: str) -> str:
+    """Drop the ``/job:localhost/replica:0/task:0`` prefix of a local device name."""
+    return re.sub(r"^/job:localhost/replica:0/task:0", "", full) or full
+
+
+@dataclass
+class Placement:
+    """The op -> device table of one run. ``result`` holds what the run returned."""
+
+    rows: list[OpPlacement]
+    result: object = None
+    transfers: list[tuple[str, str, str]] = field(default_factory=list)  # (tensor, from, to)
+
+    def __iter__(self) -> Iterator[OpPlacement]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def devices(self) -> list[str]:
+        """Sorted devices that ran at least one op."""
+        return sorted({r.device for r in self.rows})
+
+    def ops_on(self, device: str) -> list[OpPlacement]:
+        """The ops that ran on ``device`` (any spelling: '/cpu:1' == '/device:CPU:1')."""
+        want = parse_device(device).to_string()
+        return [r for r in self.rows if parse_device(r.device).to_string() == want]
+
+    def device_of(self, name: str) -> str:
+        """The device of the op called ``name``; ``KeyError`` lists the names if it is absent."""
+        for r in self.rows:
+            if r.name == name:
+                return r.device
+        raise KeyError(f"no op named {name!r}; ops: {sorted(r.name for r in self.rows)}")
+
+    def counts(self) -> dict[str, int]:
+        """Number of ops per device."""
+        return {d: len(self.ops_on(d)) for d in self.devices()}
+
+    def without(self, *op_types: str) -> Placement:
+        """A copy without ops of the given types (e.g. '_Arg', '_Retval', 'NoOp')."""
+        return Placement([r for r in self.rows if r.op_type not in op_types], self.result,
+                         self.transfers)
+
+    def format(self, requested: bool = False) -> str:
+        """Aligned text, sorted by device then op name."""
+        rows = sorted(self.rows, key=lambda r: (r.device, r.name))
+        head = ["op", "type", "device"] + (["requested"] if requested else [])
+        body = [[r.name, r.op_type, r.device] + ([r.requested or "-"] if requested else [])
+                for r in rows]
+        widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+        return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip()
+                         for line in [head, *body])
+
+
+def _from_graph_defs(graph_defs, requested: Mapping[str, str], result) -> Placement:
+    rows, transfers = [], []
+    for gd in graph_defs:
+        for node in gd.node:
+            rows.append(OpPlacement(node.name, node.op, short_device(node.device),
+                                    short_device(requested.get(node.name, ""))))
+            if node.op == "_Send":
+                transfers.append((node.attr["tensor_name"].s.decode(),
+                                  short_device(node.attr["send_device"].s.decode()),
+                                  short_device(node.attr["recv_device"].s.decode())))
+    return Placement(rows, result, transfers)
+
+
+def placement_of(target, *args, session=None, feed_dict=None, **kwargs) -> Placement:
+    """Run ``target`` once and return where each of its ops actually ran.
+
+    * TF2: ``target`` is a ``tf.function`` or a plain callable; it is called as
+      ``target(*args, **kwargs)`` inside a fresh ``tf.function`` (run metadata is only recorded
+      when a function is first instantiated).
+    * TF1: pass ``session=sess``; ``target`` is anything ``sess.run`` accepts.
+
+    Rows come from the partition graphs TensorFlow executed: after graph optimisation, so an op
+    that was folded away is absent, and every cross-device edge shows as a ``_Send``/``_Recv``.
+    """
+    if session is not None:
+        if args or kwargs:
+            raise ValueError("with session=..., pass feeds as feed_dict, not positional/keyword "
+                             f"arguments (got {len(args)} args, keys {sorted(kwargs)})")
+        opts = tf.compat.v1.RunOptions(output_partition_graphs=True)
+        meta = tf.compat.v1.RunMetadata()
+        result = session.run(target, feed_dict=feed_dict, options=opts, run_metadata=meta)
+        requested = {op.name: op.device for op in session.graph.get_operations()}
+        return _from_graph_defs(meta.partition_graphs, requested, result)
+    if not callable(target):
+        raise ValueError(f"target must be a callable or tf.function (or pass session=), "
+                         f"got {type(target).__name__}")
+    fresh = tf.function(getattr(target, "python_function", target))
+    concrete = fresh.get_concrete_function(*args, **kwargs)
+    requested = {op.name: op.device for op in concrete.graph.get_operations()}
+    context.enable_run_metadata()
+    try:
+        context.export_run_metadata()  # drop graphs recorded since an earlier run (eager ops)
+        result = fresh(*args, **kwargs)
+        meta = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    graphs = [pg for fg in meta.function_graphs for pg in fg.partition_graphs]
+    return _from_graph_defs(graphs, requested, result)
+
+
+def session_config(**fields) -> tf.compat.v1.ConfigProto:
+    """A TF1 ``ConfigProto`` starting from the eager context's (so a session sees the same logical
+    devices ``accel.devices.setup`` made) with ``fields`` set, e.g.
+    ``session_config(log_device_placement=True, allow_soft_placement=False)``."""
+    config = tf.compat.v1.ConfigProto()
+    config.CopyFrom(context.context().config)
+    for name, value in fields.items():
+        if not hasattr(config, name):
+            raise ValueError(f"ConfigProto has no field {name!r}")
+        setattr(config, name, value)
+    return config
+
+
+_LOG_LINE = re.compile(r"^(?P<name>[^\s:][^:]*): \((?P<type>\w+)\): (?P<device>/\S+)$")
+_EAGER_LINE = re.compile(r"Executing op (?P<type>\w+) in device (?P<device>/\S+)")
+
+
+@dataclass
+class PlacementLog:
+    """What TensorFlow's placement log printed inside a ``log_placement()`` block."""
+
+    text: str = ""
+    rows: list[OpPlacement] = field(default_factory=list)
+
+    def format(self) -> str:
+        return Placement(self.rows).format()
+
+
+@contextlib.contextmanager
+def log_placement() -> Iterator[PlacementLog]:
+    """Capture TensorFlow's placement log (written by C code to fd 1/2) and parse it into rows.
+
+    TF1 sessions log when created with ``session_config(log_device_placement=True)``. TF2 eager
+    logging (``tf.debugging.set_log_device_placement``) only takes effect if switched on before
+    TensorFlow's first op, so it is switched on (and back off on exit) only in that case. Toggling
+    it on a running context also silently disables eager soft placement in TF 2.21 (while
+    ``tf.config.get_soft_device_placement()`` still says True), so the soft-placement setting is
+    re-applied on exit.
+    """
+    log = PlacementLog()
+    previous = tf.debugging.get_log_device_placement()
+    soft = tf.config.get_soft_device_placement()
+    started = context.context()._context_handle is not None  # noqa: SLF001
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as tmp:
+        try:
+            os.dup2(tmp.fileno(), 1)
+            os.dup2(tmp.fileno(), 2)
+            if not started:
+                tf.debugging.set_log_device_placement(True)
+            yield log
+        finally:
+            if not started:
+                tf.debugging.set_log_device_placement(previous)
+                tf.config.set_soft_device_placement(soft)
+            libc.fflush(None)
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            tmp.seek(0)
+            log.text = tmp.read().decode(errors="replace")
+    for line in log.text.splitlines():
+        if m := _LOG_LINE.match(line.strip()):
+            log.rows.append(OpPlacement(m["name"], m["type"], short_device(m["device"])))
+        elif m := _EAGER_LINE.search(line):
+            log.rows.append(OpPlacement(m["type"], m["type"], short_device(m["device"])))
+
+
+@contextlib.contextmanager
+def soft_placement(enabled: bool) -> Iterator[None]:
+    """TF2 soft placement on/off for a block (``tf.config.set_soft_device_placement``); the
+    previous setting is restored on exit, also when the block raises."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled must be True or False, got {enabled!r}")
+    previous = tf.config.get_soft_device_placement()
+    tf.config.set_soft_device_placement(enabled)
+    try:
+        yield
+    finally:
+        tf.config.set_soft_device_placement(previous)
+
+
+def by_op_type(mapping: Mapping[str, str], default: str) -> Callable:
+    """A device function: ops whose type is in ``mapping`` go to ``mapping[type]``, others to
+    ``default``. Use it with ``tf.compat.v1.device(fn)`` (plain ``tf.device`` rejects functions)."""
+    for device in [*mapping.values(), default]:
+        parse_device(device)  # validate early: a bad name is a ValueError here, not at run time
+
+    def choose(op) -> str:
+        return mapping.get(op.type, default)
+
+    return choose
+
+
+VARIABLE_OP_TYPES = ("VariableV2", "VarHandleOp", "Variable")
+
+
+def variables_on(variable_device: str, other_device: str) -> Callable:
+    """The classic device function: variables on ``variable_device``, every other op elsewhere."""
+    return by_op_type(dict.fromkeys(VARIABLE_OP_TYPES, variable_device), other_device)
+
+
+def short_error(exc: BaseException) -> str:
+    """The part of a TensorFlow error worth reading: the type and message, without the
+    "Detected at node ... defined at (most recent call last)" source listing."""
+    lines = [ln for ln in str(exc).splitlines()
+             if ln.strip() and not ln.startswith(("Graph execution error", "Detected at node",
+                                                  "    File ", "Node: "))]
+    return f"{type(exc).__name__}: " + "\n".join(lines)
