@@ -9,7 +9,7 @@ lists only CPU ones). ``accel.placement`` re-exports both functions.
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.python.framework import kernels
+from tensorflow.python.framework import kernels, op_def_registry
 
 __all__ = ["registered_kernels", "kernel_gaps"]
 
@@ -20,10 +20,10 @@ def registered_kernels(op_type: str) -> dict[str, list[str]]:
     ``{'CPU': ['DT_FLOAT', ...], 'GPU': [...]}``; a kernel with no dtype constraint is listed as
     ``'any'``. (``DEFAULT`` kernels are the device-agnostic ones TensorFlow uses on every device.)
     """
-    try:
-        found = kernels.get_registered_kernels_for_op(op_type)
-    except Exception as exc:  # TF raises NotFoundError for unknown ops
-        raise ValueError(f"unknown op type {op_type!r}") from exc
+    if not isinstance(op_type, str) or op_def_registry.get(op_type) is None:
+        raise ValueError(f"unknown op type {op_type!r}; op types are names such as 'MatMul' "
+                         "(see tf.raw_ops)")
+    found = kernels.get_registered_kernels_for_op(op_type)
     table: dict[str, set[str]] = {}
     for k in found.kernel:
         names = {tf.dtypes.as_dtype(t).name for c in k.constraint

@@ -257,8 +257,13 @@ def variables_on(variable_device: str, other_device: str) -> Callable:
 
 def short_error(exc: BaseException) -> str:
     """The part of a TensorFlow error worth reading: the type and message, without the
-    "Detected at node ... defined at (most recent call last)" source listing."""
+    "Detected at node ... defined at (most recent call last)" source listing, and with node
+    attributes in sorted order."""
     lines = [ln for ln in str(exc).splitlines()
              if ln.strip() and not ln.startswith(("Graph execution error", "Detected at node",
                                                   "    File ", "Node: "))]
-    return f"{type(exc).__name__}: " + "\n".join(lines)
+    text = "\n".join(lines)
+    # TensorFlow prints node attributes in hash-map order; sort them so the text is reproducible
+    text = re.sub(r"with these attrs: \[([^\]]*)\]",
+                  lambda m: "with these attrs: [" + ", ".join(sorted(m[1].split(", "))) + "]", text)
+    return f"{type(exc).__name__}: {text}"

@@ -1,0 +1,61 @@
+"""accel.copy_cost: the hopping chain equals the one-device chain (forward and gradient); the cost
+model's arithmetic; the measurement's shape (never its timings)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accel import copy_cost, placement
+
+
+def test_hopping_chain_matches_one_device_forward_and_gradient(four_devices):
+    x = tf.constant(np.linspace(-1.0, 1.0, 16, dtype=np.float32))
+    results = {}
+    for label, devs in (("one", four_devices[:1]), ("hop", four_devices)):
+        fn = copy_cost.chain_function(devs, 12)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = fn(x)
+        results[label] = (y.numpy(), tape.gradient(y, x).numpy())
+    np.testing.assert_allclose(results["hop"][0], results["one"][0], rtol=1e-6)
+    np.testing.assert_allclose(results["hop"][1], results["one"][1], rtol=1e-6)
+
+
+def test_chain_crosses_devices_at_every_step(four_devices):
+    small = tf.ones((8,))
+    one = placement.placement_of(copy_cost.chain_function(four_devices[:1], 10), small)
+    hop = placement.placement_of(copy_cost.chain_function(four_devices[:2], 10), small)
+    assert one.transfers == []
+    assert len(hop.transfers) == 9
+    assert {src for _, src, _ in hop.transfers} == set(four_devices[:2])
+
+
+def test_consume_function_runs_on_the_requested_device(four_devices):
+    table = placement.placement_of(copy_cost.consume_function(four_devices[1]), tf.ones((4,)))
+    assert table.device_of("Sum") == four_devices[1]
+    assert float(table.result) == 8.0
+
+
+def test_transfer_time_model():
+    assert copy_cost.transfer_time(15_750_000_000, "PCIe 3.0 x16") == pytest.approx(1.0)
+    assert copy_cost.transfer_time(0, "PCIe 4.0 x16") == 0.0
+    with pytest.raises(ValueError, match="unknown link 'USB'"):
+        copy_cost.transfer_time(1, "USB")
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        copy_cost.transfer_time(-1, "PCIe 3.0 x16")
+
+
+def test_measure_copy_cost_reports_times_and_ratios(four_devices):
+    result = copy_cost.measure_copy_cost(four_devices[:2], size=1024, chain=4, repeat=1)
+    assert set(result) == {"chain on one device", "chain hopping", "tensor used in place",
+                           "tensor used elsewhere", "chain_ratio", "bulk_ratio"}
+    assert all(v > 0 for v in result.values())
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="at least one device"):
+        copy_cost.chain_function([], 3)
+    with pytest.raises(ValueError, match="length >= 1"):
+        copy_cost.chain_function(["/cpu:0"], 0)
+    with pytest.raises(ValueError, match="two devices"):
+        copy_cost.measure_copy_cost(["/cpu:0"])

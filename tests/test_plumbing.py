@@ -1,0 +1,92 @@
+"""Shared plumbing: accel.timing, accel.data, accel.models, accel.viz, accel.bench and the CLI."""
+
+import matplotlib
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accel import __main__ as cli
+from accel import bench, data, models, timing, viz
+
+matplotlib.use("Agg")
+
+
+def test_time_fn_and_format_ratios():
+    calls = []
+    t = timing.time_fn(lambda: calls.append(1), repeat=3, warmup=2)
+    assert len(calls) == 5 and t >= 0
+    text = timing.format_ratios({"base": 0.002, "other": 0.004}, "base")
+    assert "2.00x base" in text and "1.00x base" in text
+    with pytest.raises(ValueError, match="repeat must be >= 1"):
+        timing.time_fn(lambda: None, repeat=0)
+    with pytest.raises(ValueError, match="baseline 'nope'"):
+        timing.format_ratios({"a": 1.0}, "nope")
+    with pytest.raises(ValueError, match="unit must be one of"):
+        timing.format_ratios({"a": 1.0}, "a", unit="h")
+
+
+def test_regression_is_reproducible_and_learnable():
+    x, y, w = data.regression(n=256, features=4, noise=0.0, seed=1)
+    x2, _, _ = data.regression(n=256, features=4, noise=0.0, seed=1)
+    assert x.dtype == np.float32 and x.shape == (256, 4) and y.shape == (256, 1)
+    np.testing.assert_array_equal(x, x2)
+    w_fit = np.linalg.lstsq(x, y, rcond=None)[0]
+    np.testing.assert_allclose(w_fit, w, atol=1e-4)
+
+
+def test_classification_shapes_and_errors():
+    x, labels = data.classification(n=100, features=3, classes=5)
+    assert x.shape == (100, 3) and labels.dtype == np.int32 and set(labels) <= set(range(5))
+    with pytest.raises(ValueError, match="classes must be >= 2"):
+        data.classification(classes=1)
+    with pytest.raises(ValueError, match="n and features"):
+        data.regression(n=0)
+
+
+def test_mlp_and_keras_mlp_agree_forward_and_gradient():
+    sizes = [4, 8, 3]
+    params = [tf.Variable(p) for p in models.mlp_init(sizes, seed=2)]
+    model = models.keras_mlp(sizes, seed=2)
+    x = tf.constant(np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32))
+    with tf.GradientTape(persistent=True) as tape:
+        ours = tf.reduce_sum(models.mlp_apply(params, x) ** 2)
+        theirs = tf.reduce_sum(model(x) ** 2)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5)
+    for g1, g2 in zip(tape.gradient(ours, params), tape.gradient(theirs, model.trainable_variables),
+                      strict=True):
+        np.testing.assert_allclose(g1.numpy(), g2.numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="sizes must list"):
+        models.mlp_init([4])
+    with pytest.raises(ValueError, match="alternate weight, bias"):
+        models.mlp_apply(params[:1], x)
+
+
+def test_viz_helpers_and_registry(tmp_path):
+    fig = viz.bars({"a": 2.0, "b": 4.0}, "time", baseline="a")
+    assert [round(p.get_height(), 2) for p in fig.axes[0].patches] == [1.0, 2.0]
+    fig = viz.curves({"loss": [3, 2, 1]}, "step", "loss", logy=True)
+    assert fig.axes[0].get_yscale() == "log"
+    fig = viz.timeline([("dev0", 0, 1, "F0"), ("dev1", 1, 2, "F0")])
+    assert len(fig.axes[0].patches) == 2
+    with pytest.raises(ValueError, match="end 0 < start 1"):
+        viz.timeline([("dev0", 1, 0, "F0")])
+    with pytest.raises(ValueError, match="baseline 'z'"):
+        viz.bars({"a": 1.0}, "x", baseline="z")
+    saved = viz.save_figures(tmp_path, ["02_placement.png", "03_kernels.png", "01_devices.png"])
+    assert all(p.exists() and p.stat().st_size > 1000 for p in saved)
+    with pytest.raises(ValueError, match="unknown figure"):
+        viz.save_figures(tmp_path, ["99_nope.png"])
+
+
+def test_bench_registry_and_cli(capsys):
+    with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
+        bench.get("nope")
+    assert callable(bench.get("copy-cost"))
+    assert cli.main(["bench", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in bench.BENCHMARKS)
+    assert cli.main(["devices"]) == 0
+    assert "/device:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "nope"])
+    assert exit_info.value.code == 2
