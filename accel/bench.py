@@ -12,7 +12,7 @@ __all__ = ["BENCHMARKS", "get", "run"]
 # prints its report and returns the measured numbers as a dict.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "copy-cost": ("accel.copy_cost:bench",
-                  "ops hopping between devices, and a big tensor used on another device (chapter 02)"),
+                  "ops hopping between devices; a big tensor used elsewhere (chapter 02)"),
     "memory": ("accel.memory:bench_memory",
                "peak memory and step time: plain vs recompute vs mixed precision (chapter 04)"),
     "sync-async": ("accel.parameter_server:bench_sync_async",
