@@ -2,22 +2,20 @@
 
 One module per idea; every chapter imports from here and so can your own code.
 
-======================  ============================================================  =======
-module                  idea                                                          chapter
-======================  ============================================================  =======
-``accel.devices``       device names, physical vs logical devices, ``setup()``         01
-``accel.scale``         the scale of training: FLOPs of a run, measured matmul speed   01
-``accel.placement``     which op ran where (``placement_of``), device functions,       02, 03
-                        placement logging, soft placement
-``accel.kernels``       the kernel registry: op x device type x dtype, portability     03
-``accel.copy_cost``     what crossing devices costs: measured, and a bandwidth model   02
-``accel.diagrams``      the figures of chapters 01-03                                  01-03
-``accel.timing``        wall-clock medians and ratio tables                            all
-``accel.data``          synthetic, learnable data sets                                 all
-``accel.models``        a tiny MLP as plain variables and as a Keras model             all
-``accel.viz``           generic plots and the ``make images`` registry                 all
-``accel.bench``         the benchmarks behind ``python -m accel bench NAME``           all
-======================  ============================================================  =======
+module (chapter)                   idea
+accel.devices (01)                 device names, physical vs logical devices, setup()
+accel.scale (01)                   the scale of training: FLOPs of a run, measured matmul speed
+accel.placement (02, 03)           where ops ran (placement_of), device functions, soft placement
+accel.kernels (03)                 the kernel registry: op x device type x dtype, portability audit
+accel.copy_cost (02)               what crossing devices costs: measured, and a bandwidth model
+accel.diagrams (01-03)             the figures of chapters 01-03
+accel.parameter_server (05)        parameter server + worker threads: sync, async, K-of-N, delay
+accel.staleness (05)               per-update records, staleness analysis, the sync-async bench
+accel.timing (all)                 wall-clock medians and ratio tables
+accel.data (all)                   synthetic, learnable data sets
+accel.models (all)                 a tiny MLP as plain variables and as a Keras model
+accel.viz (all)                    generic plots and the `make images` registry
+accel.bench (all)                  the benchmarks behind `python -m accel bench NAME`
 
 Importing ``accel`` sets ``TF_CPP_MIN_LOG_LEVEL=2`` (unless you set it) *before* TensorFlow is
 imported, because TensorFlow reads it only once, at import time.
