@@ -5,6 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp-install
 NB     ?= chapters/*.ipynb
 LAB_ARGS ?=
+# JupyterLab refuses to start as root (containers, cloud boxes) unless told it is deliberate
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NBVAL  := --nbval --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 120
 export PYTHONHASHSEED := 0
 
@@ -22,7 +24,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)  ## create .venv and install the package with its extras
 
 lab: $(STAMP)  ## open JupyterLab on chapters/ (headless: make lab LAB_ARGS="--no-browser --port 8899")
-	$(BIN)/jupyter lab --notebook-dir=chapters $(LAB_ARGS)
+	$(BIN)/jupyter lab --notebook-dir=chapters $(LAB_ROOT) $(LAB_ARGS)
 
 test: lint unit nbval  ## ruff, unit tests, then every chapter re-run and compared by nbval
 
