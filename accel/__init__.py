@@ -9,6 +9,9 @@ accel.placement (02, 03)           where ops ran (placement_of), device function
 accel.kernels (03)                 the kernel registry: op x device type x dtype, portability audit
 accel.copy_cost (02)               what crossing devices costs: measured, and a bandwidth model
 accel.diagrams (01-03)             the figures of chapters 01-03
+accel.memory (04)                  training memory: estimated per part, and measured peaks
+accel.memory_config (04)           TF1 ConfigProto / TF2 GPU memory plans, thread pools
+accel.memory_savings (04)          recomputation and mixed precision, measured
 accel.parameter_server (05)        parameter server + worker threads: sync, async, K-of-N, delay
 accel.staleness (05)               per-update records, staleness analysis, the sync-async bench
 accel.timing (all)                 wall-clock medians and ratio tables

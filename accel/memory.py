@@ -1,0 +1,285 @@
+"""Where training memory goes: weights, gradients, optimizer slots, activations -- estimated from
+a model's shapes, and checked against the tensors TensorFlow really holds.
+
+``estimate_training_memory(model, optimizer="adam", policy="float32", batch_size=64)`` returns a
+``MemoryEstimate`` (bytes per part, ``total`` = the estimated peak of one training step);
+``format_estimates`` prints several side by side. The checking side: ``tensor_bytes`` counts
+real tensors, ``tape_kept_tensors`` lists the forward tensors the backward pass reads (from the
+traced graph), ``measure_step_peak`` reads TensorFlow's allocator.
+
+Measuring on CPU: ``tf.config.experimental.get_memory_info("CPU:0")`` only reports when the
+environment has ``TF_CPU_ALLOCATOR_USE_BFC=true`` *before TensorFlow is imported* (TensorFlow then
+uses its BFC allocator for host memory, the one it uses on GPUs). There is one host allocator per
+process, so all logical CPUs of ``accel.devices.setup`` share it: ``"CPU:0"`` reports them all.
+
+Recomputation and mixed-precision experiments live in ``accel.memory_savings`` (re-exported
+here: ``bench_memory``, ``figure_memory``); configuration builders in ``accel.memory_config``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
+
+__all__ = [
+    "OPTIMIZERS", "POLICIES", "CPU_CONV_WORKSPACE", "MemoryEstimate", "make_optimizer",
+    "estimate_training_memory", "activation_bytes", "format_estimates",
+    "mixed_precision_accounting", "tensor_bytes",
+    "slot_variables", "memory_device", "tape_kept_tensors", "tape_kept_bytes", "measure_step_peak",
+    "bench_memory", "figure_memory",
+]
+
+# optimizer name -> slot tensors it keeps per trainable variable (same shape and dtype)
+OPTIMIZERS: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
+# policy -> (variable dtype, compute dtype), as in Keras' dtype policies
+POLICIES: dict[str, tuple[str, str]] = {
+    "float32": ("float32", "float32"),
+    "mixed_float16": ("float32", "float16"),
+    "mixed_bfloat16": ("float32", "bfloat16"),
+}
+_VIEW_LAYERS = ("InputLayer", "Flatten", "Reshape")  # their output shares its input's buffer
+_SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank")
+_ALIAS_OPS = ("Reshape", "Identity", "Squeeze", "ExpandDims")
+_NOT_ACTIVATIONS = ("ReadVariableOp", "Placeholder", "Const", "VarHandleOp", *_SHAPE_OPS)
+MIB = 2**20
+# Scratch of a convolution's backward pass on CPU: TensorFlow's kernels unfold the images in
+# shards sized for a 30 MiB cache ("target_working_set_size" in conv_grad_*_ops), whatever the
+# batch; measured on TF 2.21 as ~32 MiB for every small conv shape the course tried.
+CPU_CONV_WORKSPACE = 32 * MIB
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes of each part of one training step; ``total`` is the estimated peak.
+
+    ``batch``: the input and label tensors. ``workspace``: scratch buffers of the backward pass
+    (on CPU, convolutions unfold their input: see ``activation_bytes``). Optimizer scalars (the
+    iteration counter, the learning rate: 12 bytes) are not counted.
+    """
+
+    weights: int
+    gradients: int
+    optimizer_slots: int
+    activations: int = 0
+    workspace: int = 0
+    batch: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+    def as_dict(self) -> dict[str, int]:
+        """The parts and the total, in bytes."""
+        return {**asdict(self), "total": self.total}
+
+
+def _check(name: str, value: str, allowed: Mapping[str, object]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")
+
+
+def make_optimizer(name: str, learning_rate: float = 1e-3):
+    """The Keras optimizer behind a name of ``OPTIMIZERS`` ("momentum" is SGD with 0.9)."""
+    _check("optimizer", name, OPTIMIZERS)
+    if name == "adam":
+        return tf.keras.optimizers.Adam(learning_rate)
+    return tf.keras.optimizers.SGD(learning_rate, momentum=0.9 if name == "momentum" else 0.0)
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(tf.TensorShape(shape).num_elements()) * tf.as_dtype(dtype).size
+
+
+def tensor_bytes(tensors: Sequence) -> int:
+    """Bytes held by real tensors or variables (shape x dtype size, summed)."""
+    return sum(_nbytes(t.shape, t.dtype) for t in tensors)
+
+
+def slot_variables(optimizer) -> list:
+    """The optimizer's slot variables: every variable except its scalars (iteration counter,
+    learning rate, loss scale), i.e. those shaped like a trainable variable."""
+    return [v for v in optimizer.variables if len(v.shape) > 0]
+
+
+def _layer_out(layer, batch_size: int, dtype: str) -> int:
+    return batch_size * _nbytes(layer.output.shape[1:], dtype)
+
+
+def activation_bytes(model, batch_size: int, policy: str = "float32") -> tuple[int, int]:
+    """``(activations, workspace)`` of one training step of a built Keras ``model``.
+
+    Activations, the rule the course checks against what the tape keeps (tests/test_memory.py):
+    each layer's output in the compute dtype, except views (Flatten, Reshape). Under a mixed
+    policy the tape also keeps the half-precision copies of the kernels (but the first, whose
+    input needs no gradient) and of the model input, which the layers cast at every step.
+    Workspace, the largest transient of the step (a rule of thumb, checked to 20% on the course's
+    models; transients of different phases are not alive together): the widest layer output
+    (the gradient flowing back through it) plus twice the largest variable (its gradient and the
+    optimizer's update temporaries), or ``CPU_CONV_WORKSPACE`` if the model has a convolution and
+    that is larger (on CPU its backward pass works in cache-sized shards; cuDNN on a GPU picks
+    its own workspace).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    _check("policy", policy, POLICIES)
+    compute = POLICIES[policy][1]
+    layers = [la for la in model.layers if type(la).__name__ not in _VIEW_LAYERS]
+    acts = sum(_layer_out(layer, batch_size, compute) for layer in layers)
+    if compute != "float32":
+        kernels = [v for v in model.trainable_variables if len(v.shape) >= 2][1:]
+        acts += sum(_nbytes(v.shape, compute) for v in kernels)
+        acts += sum(batch_size * _nbytes(t.shape[1:], compute) for t in model.inputs)
+    has_conv = any(type(la).__name__.startswith("Conv") for la in layers)
+    widest = max((_layer_out(la, batch_size, compute) for la in layers), default=0)
+    largest = max((_nbytes(v.shape, v.dtype) for v in model.trainable_variables), default=0)
+    return acts, max(widest + 2 * largest, CPU_CONV_WORKSPACE if has_conv else 0)
+
+
+def estimate_training_memory(model_or_variables, optimizer: str = "adam",
+                             policy: str = "float32", batch_size: int | None = None,
+                             label_bytes_per_example: int = 4) -> MemoryEstimate:
+    """Estimate the memory of one training step from shapes alone.
+
+    ``model_or_variables``: a built Keras model, or a list of variables (then activations,
+    workspace and batch are 0). Weights and gradients: the trainable variables in their own
+    dtype (float32 under every policy of ``POLICIES``: Keras keeps float32 master weights and
+    returns float32 gradients); slots: ``OPTIMIZERS[optimizer]`` copies of them. With a model and
+    ``batch_size``: activations and workspace from ``activation_bytes``, and the batch (inputs in
+    their dtype plus ``label_bytes_per_example``, an int32 label by default).
+    """
+    _check("optimizer", optimizer, OPTIMIZERS)
+    _check("policy", policy, POLICIES)
+    is_model = hasattr(model_or_variables, "trainable_variables")
+    variables = model_or_variables.trainable_variables if is_model else list(model_or_variables)
+    weights = tensor_bytes(variables)
+    slots = OPTIMIZERS[optimizer] * weights
+    parts = dict(weights=weights, gradients=weights, optimizer_slots=slots)
+    if is_model and batch_size is not None:
+        acts, work = activation_bytes(model_or_variables, batch_size, policy)
+        inputs = sum(batch_size * _nbytes(t.shape[1:], t.dtype) for t in model_or_variables.inputs)
+        parts.update(activations=acts, workspace=work,
+                     batch=inputs + batch_size * label_bytes_per_example)
+    return MemoryEstimate(**parts)
+
+
+def format_estimates(estimates: Mapping[str, MemoryEstimate], unit: str = "MiB") -> str:
+    """A table, one column per estimate, one row per part (and the total)."""
+    scale = {"B": 1, "KiB": 2**10, "MiB": MIB}
+    _check("unit", unit, scale)
+    if not estimates:
+        raise ValueError("estimates is empty: pass a mapping name -> MemoryEstimate")
+    rows = list(next(iter(estimates.values())).as_dict())
+    width = max(10, *(len(k) for k in estimates))
+    lines = [f"{'(' + unit + ')':16s}" + "".join(f"{k:>{width + 2}s}" for k in estimates)]
+    for row in rows:
+        vals = "".join(f"{e.as_dict()[row] / scale[unit]:{width + 2}.2f}"
+                       for e in estimates.values())
+        lines.append(f"{row:16s}{vals}")
+    return "\n".join(lines)
+
+
+def mixed_precision_accounting(optimizer: str = "adam") -> dict[str, dict[str, int]]:
+    """Bytes per parameter: float32 training, the classic mixed-precision recipe (half weights
+    and gradients, float32 master weights and slots: 2 + 2 + 12 for Adam), and what Keras keeps
+    (float32 variables and gradients, float32 slots, half copies made each step)."""
+    _check("optimizer", optimizer, OPTIMIZERS)
+    slots = {f"slot {i + 1} (fp32)": 4 for i in range(OPTIMIZERS[optimizer])}
+    return {
+        "float32": {"weights (fp32)": 4, "gradients (fp32)": 4, **slots},
+        "classic mixed": {"weights (fp16)": 2, "gradients (fp16)": 2,
+                          "master weights (fp32)": 4, **slots},
+        "keras mixed": {"weights (fp32)": 4, "gradients (fp32)": 4, **slots,
+                        "per-step copies (fp16)": 2},
+    }
+
+
+def memory_device() -> str:
+    """The device whose allocator a step runs on: ``"GPU:0"`` if there is one, else ``"CPU:0"``."""
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def _current(device: str) -> int:
+    try:
+        return tf.config.experimental.get_memory_info(device)["current"]
+    except ValueError as exc:
+        raise RuntimeError(
+            f"TensorFlow reports no memory statistics for {device}: on CPU set "
+            "TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow is imported "
+            f"(now: {os.environ.get('TF_CPU_ALLOCATOR_USE_BFC', 'unset')}), then restart") from exc
+
+
+def _peak_during(fn: Callable[[], object], device: str) -> tuple[int, object]:
+    """Run ``fn``; return (peak bytes above the level before it, fn's result)."""
+    gc.collect()  # dead Python objects freeing their tensors mid-measurement would hide bytes
+    before = _current(device)
+    tf.config.experimental.reset_memory_stats(device)
+    out = fn()
+    return tf.config.experimental.get_memory_info(device)["peak"] - before, out
+
+
+def tape_kept_tensors(model, x) -> list[tuple[str, tuple, str]]:
+    """The forward tensors the backward pass of ``model`` on ``x`` reads: ``(reader op type,
+    shape, dtype)`` each. Exact and deterministic: the step (forward, tape, gradients) is traced
+    as a ``tf.function`` graph, where every gradient op names its inputs. Not counted: variable
+    reads (the weights themselves), the input batch, shape-only uses; a reshape counts as the
+    tensor it views. The loss is a plain mean (its gradient needs only a shape)."""
+    @tf.function
+    def grads(inp):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.cast(model(inp, training=True), tf.float32))
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = grads.get_concrete_function(tf.TensorSpec(x.shape, x.dtype)).graph
+    kept: dict[str, tuple[str, tuple, str]] = {}
+    for op in graph.get_operations():
+        if not op.name.startswith("gradient_tape/") or op.type in _SHAPE_OPS:
+            continue
+        for t in op.inputs:
+            while t.op.type in _ALIAS_OPS:
+                t = t.op.inputs[0]
+            if not (t.op.name.startswith("gradient_tape/") or t.op.type in _NOT_ACTIVATIONS):
+                kept.setdefault(t.name, (op.type, tuple(t.shape), t.dtype.name))
+    return list(kept.values())
+
+
+def tape_kept_bytes(model, x) -> int:
+    """Bytes of ``tape_kept_tensors(model, x)``: the activations one training step keeps."""
+    return sum(_nbytes(shape, dtype) for _, shape, dtype in tape_kept_tensors(model, x))
+
+
+def measure_step_peak(model, optimizer, x, y, loss_fn) -> int:
+    """Peak bytes of one eager training step (forward, gradients, optimizer update).
+
+    Runs one step first (it creates the slots), then measures: the allocator's peak above the
+    level before the step (so other live tensors of the process do not count) plus the bytes of
+    the state the step needs that was already there -- the model's variables, the optimizer's
+    variables, ``x`` and ``y`` -- counted from the real tensors.
+    """
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return float(loss)
+
+    step()
+    extra, _ = _peak_during(step, memory_device())
+    return extra + tensor_bytes([*model.variables, *optimizer.variables, x, y])
+
+
+def bench_memory() -> dict:
+    """``python -m accel bench memory`` (see ``accel.memory_savings.bench_memory``)."""
+    from accel import memory_savings
+
+    return memory_savings.bench_memory()
+
+
+def figure_memory():
+    """The figure ``images/04_memory.png`` (see ``accel.memory_savings.figure_memory``)."""
+    from accel import memory_savings
+
+    return memory_savings.figure_memory()

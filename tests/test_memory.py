@@ -1,0 +1,155 @@
+"""accel.memory, accel.memory_config, accel.memory_savings: estimates against real tensors,
+config builders, recomputation and mixed precision giving the same gradients."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accel import memory, memory_config, memory_savings
+
+L = tf.keras.layers
+
+
+def _mlp(policy="float32"):
+    return tf.keras.Sequential([tf.keras.Input((512,)), L.Dense(512, "relu", dtype=policy),
+                                L.Dense(512, "relu", dtype=policy), L.Dense(10, dtype=policy)])
+
+
+def _cnn(policy="float32"):
+    return tf.keras.Sequential([
+        tf.keras.Input((32, 32, 3)),
+        L.Conv2D(16, 3, padding="same", activation="relu", dtype=policy),
+        L.MaxPooling2D(dtype=policy),
+        L.Conv2D(32, 3, padding="same", activation="relu", dtype=policy),
+        L.MaxPooling2D(dtype=policy), L.Flatten(dtype=policy), L.Dense(10, dtype=policy)])
+
+
+def _wide(policy="float32"):
+    return tf.keras.Sequential([tf.keras.Input((784,)), L.Dense(256, "tanh", dtype=policy),
+                                L.Dense(256, "relu", dtype=policy), L.Dense(10, dtype=policy)])
+
+
+MODELS = {"mlp": (_mlp, (512,), 256), "cnn": (_cnn, (32, 32, 3), 64), "wide": (_wide, (784,), 128)}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("optimizer", sorted(memory.OPTIMIZERS))
+def test_state_bytes_exact(name, optimizer):
+    model = MODELS[name][0]()
+    opt = memory.make_optimizer(optimizer)
+    opt.build(model.trainable_variables)
+    x = tf.zeros((4, *MODELS[name][1]))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(model(x))
+    grads = tape.gradient(loss, model.trainable_variables)
+    est = memory.estimate_training_memory(model, optimizer)
+    assert est.weights == memory.tensor_bytes(model.trainable_variables)
+    assert est.gradients == memory.tensor_bytes(grads)
+    assert est.optimizer_slots == memory.tensor_bytes(memory.slot_variables(opt))
+    scalars = [v for v in opt.variables if len(v.shape) == 0]
+    assert memory.tensor_bytes(scalars) == 12  # iteration (int64) + learning rate (float32)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("policy", sorted(memory.POLICIES))
+def test_activations_within_10_percent(name, policy):
+    build, shape, batch = MODELS[name]
+    model = build(policy)
+    est = memory.estimate_training_memory(model, "adam", policy, batch_size=batch)
+    kept = memory.tape_kept_bytes(model, tf.zeros((batch, *shape)))
+    assert abs(est.activations / kept - 1) <= 0.10, (est.activations, kept)
+
+
+def test_variables_list_and_mixed_weights_are_float32():
+    model = _mlp("mixed_float16")
+    est = memory.estimate_training_memory(model.trainable_variables, "momentum", "mixed_float16")
+    assert est.weights == memory.tensor_bytes(model.trainable_variables)
+    assert est.optimizer_slots == est.weights and est.activations == 0
+    assert {v.dtype for v in model.trainable_variables} == {"float32"}
+    acc = memory.mixed_precision_accounting("adam")
+    assert sum(acc["classic mixed"].values()) == sum(acc["float32"].values()) == 16
+
+
+@pytest.mark.skipif(bool(tf.config.list_physical_devices("GPU")),
+                    reason="the workspace rule of accel.memory is calibrated on CPU kernels")
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_step_peak_within_20_percent(name):
+    build, shape, batch = MODELS[name]
+    model = build()
+    x, y = tf.random.normal((batch, *shape)), tf.zeros((batch,), tf.int32)
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    peak = memory.measure_step_peak(model, memory.make_optimizer("adam"), x, y, loss)
+    est = memory.estimate_training_memory(model, "adam", batch_size=batch)
+    assert abs(est.total / peak - 1) <= 0.20, (est.as_dict(), peak)
+
+
+def test_estimate_rejects_bad_values():
+    with pytest.raises(ValueError, match="optimizer"):
+        memory.estimate_training_memory([], "adagrad")
+    with pytest.raises(ValueError, match="policy"):
+        memory.estimate_training_memory([], "adam", "float64")
+    with pytest.raises(ValueError, match="batch_size"):
+        memory.activation_bytes(_mlp(), 0)
+    table = memory.format_estimates({"a": memory.MemoryEstimate(2**20, 2**20, 0)})
+    assert "total" in table and "2.00" in table
+
+
+def test_tf1_config_round_trip():
+    kwargs = dict(allow_growth=True, memory_fraction=0.4, visible_devices=(1, 0),
+                  inter_op_threads=2, intra_op_threads=1, use_per_session_threads=True)
+    config = memory_config.tf1_config(**kwargs)
+    parsed = tf.compat.v1.ConfigProto.FromString(config.SerializeToString())
+    assert memory_config.tf1_config_fields(parsed) == kwargs
+    assert parsed.gpu_options.visible_device_list == "1,0"
+    assert memory_config.tf1_config_fields(memory_config.tf1_config()) == {}
+
+
+@pytest.mark.parametrize("kwargs", [dict(memory_fraction=0.0), dict(memory_fraction=1.5),
+                                    dict(visible_devices=[0, 0]), dict(visible_devices=[-1]),
+                                    dict(intra_op_threads=-2)])
+def test_tf1_config_rejects(kwargs):
+    with pytest.raises(ValueError):
+        memory_config.tf1_config(**kwargs)
+
+
+def test_gpu_plan():
+    plan = memory_config.gpu_memory_plan(memory_limit_mb=[512, 256], visible=[0])
+    assert plan.memory_limits_mb == (512, 256) and plan.env() == {}
+    assert len(plan.calls()) == 2
+    assert memory_config.gpu_memory_plan(growth=True).env() == {"TF_FORCE_GPU_ALLOW_GROWTH": "true"}
+    with pytest.raises(ValueError, match="both"):
+        memory_config.gpu_memory_plan(growth=True, memory_limit_mb=1024)
+    with pytest.raises(ValueError, match="positive"):
+        memory_config.gpu_memory_plan(memory_limit_mb=-1)
+    with pytest.raises(ValueError):  # TensorFlow's own refusal: a CPU has no memory limit
+        memory_config.apply_gpu_memory_plan(memory_config.gpu_memory_plan(memory_limit_mb=64),
+                                            gpus=tf.config.list_physical_devices("CPU"))
+
+
+def test_recompute_and_half_precision_gradients_match():
+    params = memory_savings.residual_mlp(blocks=3, width=8)
+    x = tf.random.normal((16, 8), seed=1)
+    ref = memory_savings.gradient_step(params, x, "plain")
+    for variant, tol in [("recompute", 1e-6), ("float16", 5e-2), ("bfloat16", 1e-1)]:
+        got = memory_savings.gradient_step(params, x, variant)
+        for g, r in zip(got, ref, strict=True):  # half precision: relative error of the whole
+            err = np.linalg.norm(tf.cast(g, tf.float32) - r) / np.linalg.norm(r)
+            assert err <= tol, (variant, err)
+        if variant == "recompute":
+            for g, r in zip(got, ref, strict=True):
+                np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError):
+        memory_savings.gradient_step(params, x, "int8")
+
+
+def test_measure_variants_recompute_saves_memory():
+    res = memory_savings.measure_variants(batch=256, blocks=4, width=32, repeat=1)
+    assert res["recompute"]["peak_mib"] < res["plain"]["peak_mib"]
+    assert res["float16"]["peak_mib"] < res["plain"]["peak_mib"]
+
+
+@pytest.mark.slow
+def test_threads_in_fresh_process():
+    assert memory_config.matmul_seconds_with_threads(1, n=64, repeat=1) > 0
+    with pytest.raises(ValueError):
+        memory_config.matmul_seconds_with_threads(0)
