@@ -5,7 +5,8 @@ a model's shapes, and checked against the tensors TensorFlow really holds.
 ``MemoryEstimate`` (bytes per part, ``total`` = the estimated peak of one training step);
 ``format_estimates`` prints several side by side. The checking side: ``tensor_bytes`` counts
 real tensors, ``tape_kept_tensors`` lists the forward tensors the backward pass reads (from the
-traced graph), ``measure_step_peak`` reads TensorFlow's allocator.
+traced graph), ``measure_step_peak`` reads TensorFlow's allocator; these live in
+``accel.memory_measure`` and are re-exported here.
 
 Measuring on CPU: ``tf.config.experimental.get_memory_info("CPU:0")`` only reports when the
 environment has ``TF_CPU_ALLOCATOR_USE_BFC=true`` *before TensorFlow is imported* (TensorFlow then
@@ -18,9 +19,7 @@ here: ``bench_memory``, ``figure_memory``); configuration builders in ``accel.me
 
 from __future__ import annotations
 
-import gc
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
@@ -30,7 +29,7 @@ __all__ = [
     "estimate_training_memory", "activation_bytes", "format_estimates",
     "mixed_precision_accounting", "tensor_bytes",
     "slot_variables", "memory_device", "tape_kept_tensors", "tape_kept_bytes", "measure_step_peak",
-    "bench_memory", "figure_memory",
+    "measure_conv_workspace", "peak_during", "bench_memory", "figure_memory",
 ]
 
 # optimizer name -> slot tensors it keeps per trainable variable (same shape and dtype)
@@ -42,13 +41,13 @@ POLICIES: dict[str, tuple[str, str]] = {
     "mixed_bfloat16": ("float32", "bfloat16"),
 }
 _VIEW_LAYERS = ("InputLayer", "Flatten", "Reshape")  # their output shares its input's buffer
-_SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank")
-_ALIAS_OPS = ("Reshape", "Identity", "Squeeze", "ExpandDims")
-_NOT_ACTIVATIONS = ("ReadVariableOp", "Placeholder", "Const", "VarHandleOp", *_SHAPE_OPS)
 MIB = 2**20
-# Scratch of a convolution's backward pass on CPU: TensorFlow's kernels unfold the images in
-# shards sized for a 30 MiB cache ("target_working_set_size" in conv_grad_*_ops), whatever the
-# batch; measured on TF 2.21 as ~32 MiB for every small conv shape the course tried.
+# Scratch of a convolution's backward pass on CPU, the rule of thumb used when nothing is
+# measured: TensorFlow's Eigen kernels unfold the images in shards sized for a 30 MiB cache
+# ("target_working_set_size" in conv_grad_*_ops), whatever the batch; measured on TF 2.21 as
+# ~32 MiB on an AVX2 CPU for every small conv shape the course tried. Other kernel libraries
+# (oneDNN, used by default on CPUs with AVX-512) size their scratch differently:
+# ``measure_conv_workspace`` measures it on the machine at hand.
 CPU_CONV_WORKSPACE = 32 * MIB
 
 
@@ -109,7 +108,8 @@ def _layer_out(layer, batch_size: int, dtype: str) -> int:
     return batch_size * _nbytes(layer.output.shape[1:], dtype)
 
 
-def activation_bytes(model, batch_size: int, policy: str = "float32") -> tuple[int, int]:
+def activation_bytes(model, batch_size: int, policy: str = "float32",
+                     conv_workspace: int | None = None) -> tuple[int, int]:
     """``(activations, workspace)`` of one training step of a built Keras ``model``.
 
     Activations, the rule the course checks against what the tape keeps (tests/test_memory.py):
@@ -119,9 +119,10 @@ def activation_bytes(model, batch_size: int, policy: str = "float32") -> tuple[i
     Workspace, the largest transient of the step (a rule of thumb, checked to 20% on the course's
     models; transients of different phases are not alive together): the widest layer output
     (the gradient flowing back through it) plus twice the largest variable (its gradient and the
-    optimizer's update temporaries), or ``CPU_CONV_WORKSPACE`` if the model has a convolution and
-    that is larger (on CPU its backward pass works in cache-sized shards; cuDNN on a GPU picks
-    its own workspace).
+    optimizer's update temporaries), or, if the model has a convolution and that is larger, the
+    scratch of its backward pass: ``conv_workspace`` bytes if given (e.g. from
+    ``measure_conv_workspace``), else the rule of thumb ``CPU_CONV_WORKSPACE`` (TensorFlow's
+    Eigen kernels on CPU work in cache-sized shards; oneDNN and cuDNN pick their own scratch).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -136,12 +137,16 @@ def activation_bytes(model, batch_size: int, policy: str = "float32") -> tuple[i
     has_conv = any(type(la).__name__.startswith("Conv") for la in layers)
     widest = max((_layer_out(la, batch_size, compute) for la in layers), default=0)
     largest = max((_nbytes(v.shape, v.dtype) for v in model.trainable_variables), default=0)
-    return acts, max(widest + 2 * largest, CPU_CONV_WORKSPACE if has_conv else 0)
+    if conv_workspace is not None and conv_workspace < 0:
+        raise ValueError(f"conv_workspace must be >= 0 bytes or None, got {conv_workspace}")
+    conv = CPU_CONV_WORKSPACE if conv_workspace is None else conv_workspace
+    return acts, max(widest + 2 * largest, conv if has_conv else 0)
 
 
 def estimate_training_memory(model_or_variables, optimizer: str = "adam",
                              policy: str = "float32", batch_size: int | None = None,
-                             label_bytes_per_example: int = 4) -> MemoryEstimate:
+                             label_bytes_per_example: int = 4,
+                             conv_workspace: int | None = None) -> MemoryEstimate:
     """Estimate the memory of one training step from shapes alone.
 
     ``model_or_variables``: a built Keras model, or a list of variables (then activations,
@@ -150,6 +155,7 @@ def estimate_training_memory(model_or_variables, optimizer: str = "adam",
     returns float32 gradients); slots: ``OPTIMIZERS[optimizer]`` copies of them. With a model and
     ``batch_size``: activations and workspace from ``activation_bytes``, and the batch (inputs in
     their dtype plus ``label_bytes_per_example``, an int32 label by default).
+    ``conv_workspace``: see ``activation_bytes`` (default: the rule of thumb).
     """
     _check("optimizer", optimizer, OPTIMIZERS)
     _check("policy", policy, POLICIES)
@@ -159,7 +165,7 @@ def estimate_training_memory(model_or_variables, optimizer: str = "adam",
     slots = OPTIMIZERS[optimizer] * weights
     parts = dict(weights=weights, gradients=weights, optimizer_slots=slots)
     if is_model and batch_size is not None:
-        acts, work = activation_bytes(model_or_variables, batch_size, policy)
+        acts, work = activation_bytes(model_or_variables, batch_size, policy, conv_workspace)
         inputs = sum(batch_size * _nbytes(t.shape[1:], t.dtype) for t in model_or_variables.inputs)
         parts.update(activations=acts, workspace=work,
                      batch=inputs + batch_size * label_bytes_per_example)
@@ -197,80 +203,6 @@ def mixed_precision_accounting(optimizer: str = "adam") -> dict[str, dict[str, i
     }
 
 
-def memory_device() -> str:
-    """The device whose allocator a step runs on: ``"GPU:0"`` if there is one, else ``"CPU:0"``."""
-    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-
-
-def _current(device: str) -> int:
-    try:
-        return tf.config.experimental.get_memory_info(device)["current"]
-    except ValueError as exc:
-        raise RuntimeError(
-            f"TensorFlow reports no memory statistics for {device}: on CPU set "
-            "TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow is imported "
-            f"(now: {os.environ.get('TF_CPU_ALLOCATOR_USE_BFC', 'unset')}), then restart") from exc
-
-
-def _peak_during(fn: Callable[[], object], device: str) -> tuple[int, object]:
-    """Run ``fn``; return (peak bytes above the level before it, fn's result)."""
-    gc.collect()  # dead Python objects freeing their tensors mid-measurement would hide bytes
-    before = _current(device)
-    tf.config.experimental.reset_memory_stats(device)
-    out = fn()
-    return tf.config.experimental.get_memory_info(device)["peak"] - before, out
-
-
-def tape_kept_tensors(model, x) -> list[tuple[str, tuple, str]]:
-    """The forward tensors the backward pass of ``model`` on ``x`` reads: ``(reader op type,
-    shape, dtype)`` each. Exact and deterministic: the step (forward, tape, gradients) is traced
-    as a ``tf.function`` graph, where every gradient op names its inputs. Not counted: variable
-    reads (the weights themselves), the input batch, shape-only uses; a reshape counts as the
-    tensor it views. The loss is a plain mean (its gradient needs only a shape)."""
-    @tf.function
-    def grads(inp):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.cast(model(inp, training=True), tf.float32))
-        return tape.gradient(loss, model.trainable_variables)
-
-    graph = grads.get_concrete_function(tf.TensorSpec(x.shape, x.dtype)).graph
-    kept: dict[str, tuple[str, tuple, str]] = {}
-    for op in graph.get_operations():
-        if not op.name.startswith("gradient_tape/") or op.type in _SHAPE_OPS:
-            continue
-        for t in op.inputs:
-            while t.op.type in _ALIAS_OPS:
-                t = t.op.inputs[0]
-            if not (t.op.name.startswith("gradient_tape/") or t.op.type in _NOT_ACTIVATIONS):
-                kept.setdefault(t.name, (op.type, tuple(t.shape), t.dtype.name))
-    return list(kept.values())
-
-
-def tape_kept_bytes(model, x) -> int:
-    """Bytes of ``tape_kept_tensors(model, x)``: the activations one training step keeps."""
-    return sum(_nbytes(shape, dtype) for _, shape, dtype in tape_kept_tensors(model, x))
-
-
-def measure_step_peak(model, optimizer, x, y, loss_fn) -> int:
-    """Peak bytes of one eager training step (forward, gradients, optimizer update).
-
-    Runs one step first (it creates the slots), then measures: the allocator's peak above the
-    level before the step (so other live tensors of the process do not count) plus the bytes of
-    the state the step needs that was already there -- the model's variables, the optimizer's
-    variables, ``x`` and ``y`` -- counted from the real tensors.
-    """
-    def step():
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
-        return float(loss)
-
-    step()
-    extra, _ = _peak_during(step, memory_device())
-    return extra + tensor_bytes([*model.variables, *optimizer.variables, x, y])
-
-
 def bench_memory() -> dict:
     """``python -m accel bench memory`` (see ``accel.memory_savings.bench_memory``)."""
     from accel import memory_savings
@@ -283,3 +215,14 @@ def figure_memory():
     from accel import memory_savings
 
     return memory_savings.figure_memory()
+
+
+# The checking side (re-exported so that ``memory.measure_step_peak`` etc. keep working).
+from accel.memory_measure import (  # noqa: E402  (needs the definitions above)
+    measure_conv_workspace,
+    measure_step_peak,
+    memory_device,
+    peak_during,
+    tape_kept_bytes,
+    tape_kept_tensors,
+)

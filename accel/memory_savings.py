@@ -72,7 +72,7 @@ def measure_variants(batch: int = 512, blocks: int = 8, width: int = 64, repeat:
         def run(name=name):
             return gradient_step(params, x, name)[0].numpy()
         run()
-        peak, _ = memory._peak_during(run, memory.memory_device())
+        peak, _ = memory.peak_during(run, memory.memory_device())
         out[name] = {"peak_mib": peak / memory.MIB, "seconds": time_fn(run, repeat=repeat)}
     return out
 

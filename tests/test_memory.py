@@ -79,8 +79,23 @@ def test_step_peak_within_20_percent(name):
     x, y = tf.random.normal((batch, *shape)), tf.zeros((batch,), tf.int32)
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     peak = memory.measure_step_peak(model, memory.make_optimizer("adam"), x, y, loss)
-    est = memory.estimate_training_memory(model, "adam", batch_size=batch)
+    work = memory.measure_conv_workspace(model, batch)
+    est = memory.estimate_training_memory(model, "adam", batch_size=batch, conv_workspace=work)
     assert abs(est.total / peak - 1) <= 0.20, (est.as_dict(), peak)
+
+
+def test_conv_workspace_measured_and_used():
+    assert memory.measure_conv_workspace(_mlp(), 64) == 0
+    work = memory.measure_conv_workspace(_cnn(), 64)
+    assert work > 0
+    est = memory.estimate_training_memory(_cnn(), "adam", batch_size=64, conv_workspace=work)
+    assert est.workspace == max(work, memory.activation_bytes(_cnn(), 64, conv_workspace=0)[1])
+    default = memory.estimate_training_memory(_cnn(), "adam", batch_size=64)
+    assert default.workspace == memory.CPU_CONV_WORKSPACE
+    with pytest.raises(ValueError, match="conv_workspace"):
+        memory.estimate_training_memory(_cnn(), batch_size=64, conv_workspace=-1)
+    with pytest.raises(ValueError, match="batch_size"):
+        memory.measure_conv_workspace(_cnn(), 0)
 
 
 def test_estimate_rejects_bad_values():
