@@ -11,9 +11,14 @@ accel.copy_cost (02)               what crossing devices costs: measured, and a 
 accel.diagrams (01-03)             the figures of chapters 01-03
 accel.memory (04)                  training memory: estimated per part, and measured peaks
 accel.memory_config (04)           TF1 ConfigProto / TF2 GPU memory plans, thread pools
+accel.memory_measure (04)          what TensorFlow really holds: tape tensors, step peaks, scratch
 accel.memory_savings (04)          recomputation and mixed precision, measured
 accel.parameter_server (05)        parameter server + worker threads: sync, async, K-of-N, delay
 accel.staleness (05)               per-update records, staleness analysis, the sync-async bench
+accel.data_parallel (06)           towers by hand: split_batch, average_gradients, tower steps,
+                                   and the same with MirroredStrategy
+accel.data_parallel_scaling (06)   scaling measured (towers vs Mirrored vs one device), cost model
+accel.tfrecords (06)               examples to TFRecord files and back through tf.data
 accel.timing (all)                 wall-clock medians and ratio tables
 accel.data (all)                   synthetic, learnable data sets
 accel.models (all)                 a tiny MLP as plain variables and as a Keras model

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
 
-__all__ = ["mlp_init", "mlp_apply", "keras_mlp"]
+__all__ = ["mlp_init", "mlp_apply", "keras_mlp", "max_difference"]
 
 
 def _check_sizes(sizes: list[int]) -> None:
@@ -53,3 +53,18 @@ def keras_mlp(sizes: list[int], seed: int = 0) -> tf.keras.Model:
     model = tf.keras.Model(inputs, h)
     model.set_weights(mlp_init(sizes, seed))
     return model
+
+
+def max_difference(weights_a, weights_b) -> float:
+    """The largest absolute element-wise difference between two lists of weights (arrays,
+    tensors or variables, e.g. ``model.get_weights()`` and ``step.variables``), paired in order.
+    The way chapters and tests say "these two trainings ended with the same weights"."""
+    a = [np.asarray(w) for w in weights_a]
+    b = [np.asarray(w) for w in weights_b]
+    if len(a) != len(b):
+        raise ValueError(f"the weight lists differ in length: {len(a)} vs {len(b)}")
+    for i, (u, v) in enumerate(zip(a, b, strict=True)):
+        if u.shape != v.shape:
+            raise ValueError(f"weight {i}: shapes differ, {u.shape} vs {v.shape}")
+    return max((float(np.max(np.abs(u - v))) for u, v in zip(a, b, strict=True) if u.size),
+               default=0.0)

@@ -1,0 +1,297 @@
+"""Single-machine data parallelism: the "towers" recipe by hand, and the same with MirroredStrategy.
+
+The towers recipe (one model replica, a *tower*, per device):
+
+1. the variables live on one device (``variable_device``, classically the CPU);
+2. the global batch is split into one shard per device (``split_batch``);
+3. each tower runs the forward pass, the loss and the gradients of its shard under
+   ``tf.device(its device)``;
+4. the gradients are averaged (``average_gradients``) and applied once, on the variable device.
+
+``make_tower_step`` builds that step as one ``tf.function`` for any model and list of devices;
+``make_single_step`` is the one-device reference and ``make_mirrored_step`` the same training
+with ``tf.distribute.MirroredStrategy``. Loss functions return *per-example* losses: a tower
+takes their mean over its shard; MirroredStrategy scales them by the global batch size.
+Scaling measurements, the benchmark and the figure live in ``accel.data_parallel_scaling``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from accel.devices import parse_device
+
+__all__ = [
+    "REMAINDERS", "split_batch", "average_gradients", "squared_error", "make_variables",
+    "make_tower_step", "make_single_step", "make_mirrored_step", "mirrored_strategy",
+    "bench_towers", "figure_scaling",
+]
+
+REMAINDERS = ("error", "pad", "drop")
+
+
+def _batch_size(tensors: list[tf.Tensor]) -> int:
+    sizes = {t.shape[0] for t in tensors}
+    if len(sizes) != 1:
+        raise ValueError("all parts of a batch must have the same leading size, got "
+                         f"{sorted(sizes, key=str)}")
+    (size,) = sizes
+    if size is None:
+        raise ValueError("the batch size must be known when the step is traced: batch the data "
+                         "with drop_remainder=True or trace with a fixed-size input signature")
+    return int(size)
+
+
+def split_batch(batch, n: int, remainder: str = "error") -> list:
+    """Split ``batch`` (a tensor, array, or a tuple/dict of them) into ``n`` shards along axis 0.
+
+    ``remainder`` says what to do when the batch size ``b`` is not a multiple of ``n``:
+
+    * ``"error"`` (default): ``ValueError`` naming ``b``, ``n`` and the shard sizes it would give;
+    * ``"drop"``: drop the last ``b % n`` examples, so every shard has ``b // n``;
+    * ``"pad"``: append copies of the first examples of the batch (wrapping around) until every
+      shard has ``ceil(b / n)``. The copies count in the loss, so the step is no longer exactly
+      the whole-batch step: use it only where a few repeated examples do not matter.
+
+    Returns a list of ``n`` shards with the structure of ``batch``.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    if remainder not in REMAINDERS:
+        raise ValueError(f"remainder must be one of {REMAINDERS}, got {remainder!r}")
+    flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(batch)]
+    if not flat:
+        raise ValueError("batch is empty: nothing to split")
+    b = _batch_size(flat)
+    extra = b % n
+    if extra and remainder == "error":
+        sizes = [b // n + (i < extra) for i in range(n)]
+        raise ValueError(f"a batch of {b} examples does not split evenly into {n} shards "
+                         f"(sizes would be {sizes}); use a batch size that is a multiple of {n}, "
+                         "or remainder='pad' / 'drop'")
+    if extra and remainder == "drop":
+        if b < n:
+            raise ValueError(f"remainder='drop' leaves nothing: batch {b} < {n} shards")
+        flat = [t[: b - extra] for t in flat]
+    elif extra:  # pad
+        wrap = np.arange(n - extra) % b
+        flat = [tf.concat([t, tf.gather(t, wrap)], axis=0) for t in flat]
+    shards = [tf.split(t, n, axis=0) for t in flat]
+    return [tf.nest.pack_sequence_as(batch, [s[i] for s in shards]) for i in range(n)]
+
+
+def average_gradients(tower_grads: Sequence[Sequence[tuple]]) -> list[tuple]:
+    """Average per-tower ``(gradient, variable)`` lists into one list of ``(gradient, variable)``.
+
+    ``tower_grads[i][j]`` is tower ``i``'s pair for variable ``j``; every tower must list the
+    same variables in the same order. ``None`` gradients are tolerated: a variable whose gradient
+    is ``None`` on every tower gets ``None``; if only some towers have a gradient, the mean is
+    taken over the towers that have one (a missing gradient is *not* counted as zero).
+    ``tf.IndexedSlices`` gradients are made dense first. The ops run on the current device, so
+    call it under ``tf.device(variable_device)`` to average where the variables live.
+    """
+    if not tower_grads:
+        raise ValueError("tower_grads is empty: need one (gradient, variable) list per tower")
+    lengths = {len(t) for t in tower_grads}
+    if len(lengths) != 1:
+        raise ValueError(f"every tower must list the same variables; got lists of lengths "
+                         f"{[len(t) for t in tower_grads]}")
+    averaged = []
+    for j, pairs in enumerate(zip(*tower_grads, strict=True)):
+        var = pairs[0][1]
+        if any(v is not var for _, v in pairs):
+            raise ValueError(f"position {j}: the towers list different variables "
+                             f"({[getattr(v, 'name', v) for _, v in pairs]})")
+        grads = [tf.convert_to_tensor(g) for g, _ in pairs if g is not None]
+        mean = tf.add_n(grads) / float(len(grads)) if len(grads) > 1 else None
+        averaged.append((mean if mean is not None else (grads[0] if grads else None), var))
+    return averaged
+
+
+def squared_error(y_true, y_pred) -> tf.Tensor:
+    """Per-example squared error (mean over the output axis): shape ``[batch]``."""
+    return tf.reduce_mean(tf.square(y_true - y_pred), axis=-1)
+
+
+def make_variables(arrays: Sequence, device: str) -> list[tf.Variable]:
+    """``tf.Variable`` copies of ``arrays`` (e.g. ``models.mlp_init(...)``), on ``device``."""
+    parse_device(device)
+    with tf.device(device):
+        return [tf.Variable(a, name=f"p{i}") for i, a in enumerate(arrays)]
+
+
+def _model_parts(model_fn, params_or_model, device: str):
+    """(forward(x), trainable variables) for a Keras model or a list of arrays/variables."""
+    if isinstance(params_or_model, tf.keras.Model):
+        model = params_or_model
+        return (lambda x: model(x, training=True)), list(model.trainable_variables)
+    if model_fn is None:
+        raise ValueError("model_fn is required unless params_or_model is a Keras model")
+    params = list(params_or_model)
+    if not params:
+        raise ValueError("params_or_model is empty: nothing to train")
+    if not all(isinstance(p, tf.Variable) for p in params):
+        params = make_variables(params, device)
+    return (lambda x: model_fn(params, x)), params
+
+
+def _updater(optimizer, variables, device: str) -> Callable[[list], None]:
+    """A function applying ``[(gradient, variable)]``: plain SGD for a float learning rate
+    (one ``ResourceApplyGradientDescent`` per variable), else ``optimizer.apply_gradients``."""
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
+        lr = float(optimizer)
+        if lr <= 0:
+            raise ValueError(f"a learning rate must be positive, got {optimizer!r}")
+
+        def sgd(pairs):
+            for g, v in pairs:
+                if g is not None:
+                    tf.raw_ops.ResourceApplyGradientDescent(var=v.handle, alpha=lr, delta=g)
+        return sgd
+    if not hasattr(optimizer, "apply_gradients"):
+        raise ValueError(f"optimizer must be a learning rate or have apply_gradients, "
+                         f"got {type(optimizer).__name__}")
+    if hasattr(optimizer, "build") and not getattr(optimizer, "built", True):
+        with tf.device(device):
+            optimizer.build(variables)  # slots and the step counter next to the variables
+    return lambda pairs: optimizer.apply_gradients([(g, v) for g, v in pairs if g is not None])
+
+
+def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_model,
+                    optimizer, devices: Sequence[str], variable_device: str | None = None,
+                    remainder: str = "error"):
+    """One synchronous data-parallel training step over ``devices``, as a ``tf.function``.
+
+    * ``model_fn(params, x)`` -> predictions (ignored when ``params_or_model`` is a Keras model);
+    * ``loss_fn(y_true, y_pred)`` -> per-example losses; each tower minimises their mean;
+    * ``params_or_model``: NumPy arrays (copied into new variables on ``variable_device``),
+      existing ``tf.Variable`` s, or a Keras model (create it under ``tf.device(variable_device)``);
+    * ``optimizer``: a learning rate (plain SGD) or an optimizer with ``apply_gradients``.
+
+    Placement promised (checked by ``accel.placement`` in the tests): each tower's forward and
+    backward ops (its ``MatMul`` s) run on its own device, under name scope ``tower_<i>``; the
+    variables, their reads for the update, the averaging and the update
+    (``ResourceApplyGradientDescent`` for plain SGD) run on ``variable_device``
+    (default ``devices[0]``). The step ``step(x, y)`` takes a whole batch (split here with
+    ``split_batch(..., remainder)``) or tuples of ``len(devices)`` per-tower shards, and returns
+    the mean of the tower losses. ``step.variables`` are the trained variables.
+    """
+    devices = [parse_device(d).to_string() for d in devices]
+    if not devices:
+        raise ValueError("devices is empty: give at least one device name")
+    variable_device = parse_device(variable_device or devices[0]).to_string()
+    forward, variables = _model_parts(model_fn, params_or_model, variable_device)
+    update = _updater(optimizer, variables, variable_device)
+    n = len(devices)
+
+    @tf.function
+    def step(x, y):
+        if isinstance(x, (tuple, list)):
+            if len(x) != n or len(y) != n:
+                raise ValueError(f"got {len(x)} x shards and {len(y)} y shards for {n} devices")
+            shards = list(zip(x, y, strict=True))
+        else:
+            shards = split_batch((x, y), n, remainder)
+        tower_grads, losses = [], []
+        for i, (device, (xs, ys)) in enumerate(zip(devices, shards, strict=True)):
+            with tf.device(device), tf.name_scope(f"tower_{i}"):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(loss_fn(ys, forward(xs)))
+                grads = tape.gradient(loss, variables)
+            tower_grads.append(list(zip(grads, variables, strict=True)))
+            losses.append(loss)
+        with tf.device(variable_device), tf.name_scope("update"):
+            update(average_gradients(tower_grads))
+            return tf.add_n(losses) / float(n)
+
+    step.variables = variables
+    return step
+
+
+def make_single_step(model_fn: Callable | None, loss_fn: Callable, params_or_model, optimizer,
+                     device: str):
+    """The reference: one ordinary training step on the whole batch, everything on ``device``.
+    Same arguments as ``make_tower_step``; ``step(x, y)`` returns the batch's mean loss."""
+    device = parse_device(device).to_string()
+    forward, variables = _model_parts(model_fn, params_or_model, device)
+    update = _updater(optimizer, variables, device)
+
+    @tf.function
+    def step(x, y):
+        with tf.device(device):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(loss_fn(y, forward(x)))
+            grads = tape.gradient(loss, variables)
+            update(list(zip(grads, variables, strict=True)))
+            return loss
+
+    step.variables = variables
+    return step
+
+
+def mirrored_strategy(devices: Sequence[str],
+                      cross_device_ops: tf.distribute.CrossDeviceOps | None | str = "auto",
+                      ) -> tf.distribute.MirroredStrategy:
+    """``MirroredStrategy`` over exactly ``devices`` (a subset of the logical devices).
+
+    ``cross_device_ops="auto"``: on CPUs, ``ReductionToOneDevice(devices[0])`` (gradients summed
+    on the first device, like the towers recipe); on GPUs, TensorFlow's default (NCCL all-reduce).
+    Why not collectives on CPUs: in TF 2.21 two strategies with different numbers of replicas in
+    one process reuse a collective group key and the second aborts ("is joining a group with
+    size 4, but that group has size 2").
+    """
+    names = [parse_device(d).to_string() for d in devices]
+    if not names:
+        raise ValueError("devices is empty: give at least one device name")
+    if cross_device_ops == "auto":
+        on_cpu = all(parse_device(d).device_type == "CPU" for d in names)
+        cross_device_ops = tf.distribute.ReductionToOneDevice(names[0]) if on_cpu else None
+    elif isinstance(cross_device_ops, str):
+        raise ValueError(f"cross_device_ops must be 'auto', None or a CrossDeviceOps, "
+                         f"got {cross_device_ops!r}")
+    return tf.distribute.MirroredStrategy(devices=names, cross_device_ops=cross_device_ops)
+
+
+def make_mirrored_step(strategy: tf.distribute.Strategy, model: tf.keras.Model,
+                       loss_fn: Callable, optimizer, global_batch_size: int):
+    """A custom-loop training step under ``strategy`` for a Keras ``model`` built in its scope.
+
+    Each replica scales its per-example losses by the *global* batch size
+    (``tf.nn.compute_average_loss``); the optimizer sums the replicas' gradients (an all-reduce),
+    so the update equals the single-device step on the whole batch. ``step(batch)`` takes an
+    element of ``strategy.experimental_distribute_dataset(...)`` and returns the global mean loss.
+    """
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            per_example = loss_fn(y, model(x, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    @tf.function
+    def step(batch):
+        per_replica = strategy.run(replica_step, args=batch)
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return step
+
+
+def bench_towers() -> dict:
+    """``python -m accel bench towers``: see ``accel.data_parallel_scaling.bench_towers``."""
+    from accel.data_parallel_scaling import bench_towers as run
+
+    return run()
+
+
+def figure_scaling(results: dict | None = None):
+    """``images/06_scaling.png``: see ``accel.data_parallel_scaling.figure_scaling``."""
+    from accel.data_parallel_scaling import figure_scaling as draw
+
+    return draw(results)

@@ -1,0 +1,189 @@
+"""How data parallelism scales: measured (towers vs MirroredStrategy vs one device), modelled
+(compute + gradient exchange), and the batch-size side (the linear scaling rule).
+
+* ``timed_steps(n, ...)``: the three training steps for ``n`` devices, ready to time;
+* ``measure_scaling(counts)``: step time and examples/s for 1, 2, 4 devices, by hand and with
+  MirroredStrategy, measured in one run (interleaved, medians);
+* ``bench_towers()``: the ``python -m accel bench towers`` report (ratios for 2 and 4 devices);
+* ``figure_scaling(results)``: the plot of ``measure_scaling`` (``images/06_scaling.png``);
+* ``step_time_model(...)``: a cost model of one synchronous step on ``n`` real accelerators;
+* ``scaled_learning_rate`` / ``final_loss``: the linear scaling rule and a way to try it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from accel import data, devices, models, timing
+from accel.data_parallel import (
+    make_mirrored_step,
+    make_single_step,
+    make_tower_step,
+    mirrored_strategy,
+    squared_error,
+)
+
+__all__ = ["BENCH_SIZES", "timed_steps", "measure_scaling", "bench_towers", "figure_scaling",
+           "step_time_model", "scaled_learning_rate", "final_loss"]
+
+BENCH_SIZES = (128, 512, 512, 16)  # MLP layer widths used for timing
+VARIANTS = ("single", "towers", "mirrored")
+
+
+def timed_steps(n: int, device_names: Sequence[str], per_device_batch: int = 256,
+                sizes: Sequence[int] = BENCH_SIZES, lr: float = 0.01) -> dict[str, Callable]:
+    """Zero-argument callables running one training step each, on a global batch of
+    ``n * per_device_batch``: ``single`` (all of it on ``device_names[0]``), ``towers``
+    (``make_tower_step`` over the first ``n`` devices) and ``mirrored`` (a MirroredStrategy
+    custom-loop step over the same devices). Each returns the loss as a NumPy value."""
+    if n < 1 or n > len(device_names):
+        raise ValueError(f"n must be in 1..{len(device_names)} (the devices given), got {n}")
+    sizes = list(sizes)
+    global_batch = n * per_device_batch
+    x, y, _ = data.regression(global_batch, sizes[0], sizes[-1], seed=n)
+    with tf.device(device_names[0]):
+        xt, yt = tf.constant(x), tf.constant(y)
+    params = models.mlp_init(sizes, seed=0)
+    single = make_single_step(models.mlp_apply, squared_error, params, lr, device_names[0])
+    towers = make_tower_step(models.mlp_apply, squared_error, params, lr, device_names[:n])
+    strategy = mirrored_strategy(device_names[:n])
+    with strategy.scope():
+        model = models.keras_mlp(sizes, seed=0)
+        optimizer = tf.keras.optimizers.SGD(lr)
+    mirrored = make_mirrored_step(strategy, model, squared_error, optimizer, global_batch)
+    ds = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((x, y)))
+    batch = next(iter(ds))
+    return {"single": lambda: single(xt, yt).numpy(),
+            "towers": lambda: towers(xt, yt).numpy(),
+            "mirrored": lambda: mirrored(batch).numpy()}
+
+
+def _median_times(steps: dict, rounds: int, repeat: int) -> dict:
+    """Interleave the variants (``rounds`` x ``repeat`` calls each) so drift hits all alike."""
+    for fn in steps.values():
+        fn()  # trace and warm up
+    samples: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            samples[name].append(timing.time_fn(fn, repeat=repeat, warmup=0))
+    return {k: float(np.median(v)) for k, v in samples.items()}
+
+
+def measure_scaling(counts: Sequence[int] = (1, 2, 4), per_device_batch: int = 256,
+                    sizes: Sequence[int] = BENCH_SIZES, rounds: int = 3,
+                    repeat: int = 5) -> dict:
+    """Median step time (s) of each variant for each device count, and examples per second.
+
+    Weak scaling: every device gets ``per_device_batch`` examples, so the global batch grows
+    with the device count. All variants and counts are timed in interleaved rounds. Returns
+    ``{"counts": [...], "per_device_batch": b, "step_s": {variant: [...]},
+    "examples_per_s": {variant: [...]}}``.
+    """
+    names = devices.setup(max(4, *counts))
+    steps = {(v, n): fn for n in counts
+             for v, fn in timed_steps(n, names, per_device_batch, sizes).items()}
+    times = _median_times(steps, rounds, repeat)
+    step_s = {v: [times[(v, n)] for n in counts] for v in VARIANTS}
+    eps = {v: [n * per_device_batch / t for n, t in zip(counts, ts, strict=True)]
+           for v, ts in step_s.items()}
+    return {"counts": list(counts), "per_device_batch": per_device_batch, "step_s": step_s,
+            "examples_per_s": eps}
+
+
+def bench_towers(counts: Sequence[int] = (2, 4), per_device_batch: int = 256) -> dict:
+    """Step time of hand-written towers vs MirroredStrategy vs one device, for 2 and 4 devices,
+    as ratios measured in one run. Prints a table and returns ``{"<variant>_<n>": seconds,
+    "towers/mirrored_<n>": ratio, "towers/single_<n>": ratio}``."""
+    res = measure_scaling(counts, per_device_batch)
+    out: dict[str, float] = {}
+    lines = [f"global batch = n x {per_device_batch}; MLP {list(BENCH_SIZES)}; median step time",
+             f"{'devices':>7}  {'single':>9}  {'towers':>9}  {'mirrored':>9}  "
+             f"{'towers/mirrored':>15}  {'towers/single':>13}"]
+    for i, n in enumerate(counts):
+        t = {v: res["step_s"][v][i] for v in VARIANTS}
+        out.update({f"{v}_{n}": t[v] for v in VARIANTS})
+        out[f"towers/mirrored_{n}"] = t["towers"] / t["mirrored"]
+        out[f"towers/single_{n}"] = t["towers"] / t["single"]
+        lines.append(f"{n:>7}  {t['single'] * 1e3:>7.1f}ms  {t['towers'] * 1e3:>7.1f}ms  "
+                     f"{t['mirrored'] * 1e3:>7.1f}ms  {out[f'towers/mirrored_{n}']:>15.2f}  "
+                     f"{out[f'towers/single_{n}']:>13.2f}")
+    worst = max(out[f"towers/mirrored_{n}"] for n in counts)
+    lines.append(f"target: towers within 1.1x of MirroredStrategy -> worst ratio {worst:.2f} "
+                 f"({'met' if worst <= 1.1 else 'NOT met'})")
+    print("\n".join(lines))
+    return out
+
+
+def figure_scaling(results: dict | None = None):
+    """Step time and examples/s against the number of devices, towers vs MirroredStrategy
+    (``results`` from ``measure_scaling``; measured now when omitted)."""
+    import matplotlib.pyplot as plt
+
+    res = results if results is not None else measure_scaling()
+    counts = res["counts"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for v, style in (("towers", "o-"), ("mirrored", "s--")):
+        label = "by hand (towers)" if v == "towers" else "MirroredStrategy"
+        ax1.plot(counts, [t * 1e3 for t in res["step_s"][v]], style, label=label)
+        ax2.plot(counts, res["examples_per_s"][v], style, label=label)
+    base = res["examples_per_s"]["towers"][0]
+    ax2.plot(counts, [base * n / counts[0] for n in counts], ":", color="grey",
+             label="ideal (linear)")
+    ax1.set(xlabel="devices", ylabel="step time (ms)", xticks=counts,
+            title=f"step time, {res['per_device_batch']} examples per device")
+    ax2.set(xlabel="devices", ylabel="examples / s", xticks=counts,
+            title="throughput (virtual CPUs, shared cores)")
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def step_time_model(n: int, compute_s: float, gradient_bytes: float, bandwidth_bps: float,
+                    scheme: str = "ring", latency_s: float = 0.0) -> float:
+    """Modelled time of one synchronous step on ``n`` real accelerators (no overlap of
+    communication with compute). A MODEL, not a measurement.
+
+    ``compute_s``: forward + backward of one device's batch. Gradient exchange of
+    ``gradient_bytes`` over links of ``bandwidth_bps`` bytes/s:
+
+    * ``"ring"`` (all-reduce, e.g. NCCL): each device sends and receives ``2 (n-1)/n`` times the
+      gradients, in ``2 (n-1)`` latency-bound steps;
+    * ``"one_device"`` (the towers recipe: reduce to the variable device, then send the new
+      weights back): that device's link carries ``2 (n-1)`` copies.
+    """
+    if n < 1 or compute_s < 0 or gradient_bytes < 0 or bandwidth_bps <= 0 or latency_s < 0:
+        raise ValueError(f"need n >= 1, times and bytes >= 0, bandwidth > 0; got {n=}, "
+                         f"{compute_s=}, {gradient_bytes=}, {bandwidth_bps=}, {latency_s=}")
+    if scheme == "ring":
+        return compute_s + 2 * (n - 1) / n * gradient_bytes / bandwidth_bps \
+            + 2 * (n - 1) * latency_s
+    if scheme == "one_device":
+        return compute_s + 2 * (n - 1) * (gradient_bytes / bandwidth_bps + latency_s)
+    raise ValueError(f"scheme must be 'ring' or 'one_device', got {scheme!r}")
+
+
+def scaled_learning_rate(base_lr: float, base_batch: int, global_batch: int) -> float:
+    """The linear scaling rule (Goyal et al. 2017): when the batch grows k times, multiply the
+    learning rate by k (with a warm-up for large k)."""
+    if base_lr <= 0 or base_batch < 1 or global_batch < 1:
+        raise ValueError(f"need base_lr > 0 and batch sizes >= 1, got {base_lr=}, "
+                         f"{base_batch=}, {global_batch=}")
+    return base_lr * global_batch / base_batch
+
+
+def final_loss(batch_size: int, lr: float, epochs: int = 2, n: int = 1024,
+               sizes: Sequence[int] = (8, 16, 1), device: str = "/device:CPU:0") -> float:
+    """Full-data mean squared error after ``epochs`` of plain SGD with ``batch_size`` and ``lr``
+    on ``data.regression(n)`` (same data, same initial weights for every call)."""
+    x, y, _ = data.regression(n, sizes[0], sizes[-1], seed=0)
+    step = make_single_step(models.mlp_apply, squared_error, models.mlp_init(list(sizes)),
+                            lr, device)
+    for _ in range(epochs):
+        for i in range(0, n - batch_size + 1, batch_size):
+            step(x[i:i + batch_size], y[i:i + batch_size])
+    pred = models.mlp_apply(step.variables, x)
+    return float(tf.reduce_mean(squared_error(y, pred)))
