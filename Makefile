@@ -4,6 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp-install
 NB     ?= chapters/*.ipynb
+FIG    ?=
 LAB_ARGS ?=
 # JupyterLab refuses to start as root (containers, cloud boxes) unless told it is deliberate
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
@@ -39,8 +40,8 @@ execute: $(STAMP)  ## re-run notebooks in place (NB=chapters/01_devices.ipynb fo
 	  PYTEST_CURRENT_TEST=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.timeout=300 $$nb || exit 1; done
 
-images: $(STAMP)  ## regenerate the figures in images/ from code
-	$(BIN)/python -m accel images --out images
+images: $(STAMP)  ## regenerate the figures in images/ from code (FIG=06_scaling.png for one)
+	$(BIN)/python -m accel images --out images $(FIG)
 
 lint: $(STAMP)  ## ruff over the package, tests and notebooks
 	$(BIN)/ruff check accel tests chapters conftest.py

@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("name", nargs="?", help="benchmark name (see --list)")
     bench.add_argument("--list", action="store_true", help="list the benchmarks")
     img = sub.add_parser("images", help="regenerate the course figures")
+    img.add_argument("names", nargs="*", help="only these figures, e.g. 06_scaling.png")
     img.add_argument("--out", default="images", help="output folder (default: images)")
     args = parser.parse_args(argv)
 
@@ -39,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "images":
         from accel import viz
 
-        for path in viz.save_figures(args.out):
+        try:
+            paths = viz.save_figures(args.out, args.names or None)
+        except ValueError as exc:
+            parser.error(str(exc))
+        for path in paths:
             print(path)
     return 0
 

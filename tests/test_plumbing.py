@@ -90,3 +90,31 @@ def test_bench_registry_and_cli(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "nope"])
     assert exit_info.value.code == 2
+
+
+def test_every_registered_figure_and_benchmark_resolves():
+    import importlib
+
+    for target in [*viz.FIGURES.values(), *(t for t, _ in bench.BENCHMARKS.values())]:
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func)), target
+
+
+def test_images_cli_one_figure_and_unknown_name(tmp_path, capsys):
+    assert cli.main(["images", "--out", str(tmp_path), "03_kernels.png"]) == 0
+    assert (tmp_path / "03_kernels.png").stat().st_size > 1000
+    assert capsys.readouterr().out.strip().endswith("03_kernels.png")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["images", "--out", str(tmp_path), "99_nope.png"])
+    assert exit_info.value.code == 2
+
+
+def test_max_difference():
+    a = [np.zeros((2, 2)), np.array([1.0, 2.0])]
+    assert models.max_difference(a, [np.zeros((2, 2)), np.array([1.0, 2.5])]) == 0.5
+    assert models.max_difference([tf.Variable([3.0])], [np.array([3.0])]) == 0.0
+    assert models.max_difference([], []) == 0.0
+    with pytest.raises(ValueError, match="length: 2 vs 1"):
+        models.max_difference(a, a[:1])
+    with pytest.raises(ValueError, match=r"weight 0: shapes differ, \(2, 2\) vs \(4,\)"):
+        models.max_difference(a, [np.zeros(4), a[1]])
