@@ -25,8 +25,14 @@ accel.models (all)                 a tiny MLP as plain variables and as a Keras 
 accel.viz (all)                    generic plots and the `make images` registry
 accel.bench (all)                  the benchmarks behind `python -m accel bench NAME`
 
-Importing ``accel`` sets ``TF_CPP_MIN_LOG_LEVEL=2`` (unless you set it) *before* TensorFlow is
-imported, because TensorFlow reads it only once, at import time.
+Importing ``accel`` sets two environment variables (unless you set them) *before* TensorFlow is
+imported, because TensorFlow reads them only once, at import time:
+
+* ``TF_CPP_MIN_LOG_LEVEL=2``: no C++ INFO/WARNING lines;
+* ``TF_ENABLE_ONEDNN_OPTS=0``: TensorFlow's own CPU kernels everywhere. TensorFlow turns oneDNN on
+  by default only on some CPUs (those with AVX-512 VNNI / BF16 or AMX); it then rewrites graphs
+  (``MatMul`` runs as ``_MklMatMul``, ops are fused) and takes other scratch buffers, so placement
+  tables and memory figures would depend on the reader's CPU. Set it to 1 yourself for speed.
 
 Command line: ``python -m accel devices`` prints the device report; ``python -m accel bench NAME``
 runs a benchmark (``python -m accel bench --list`` shows the names).
@@ -37,5 +43,6 @@ from __future__ import annotations
 import os as _os
 
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+_os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 __version__ = "0.1.0"

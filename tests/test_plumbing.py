@@ -118,3 +118,12 @@ def test_max_difference():
         models.max_difference(a, a[:1])
     with pytest.raises(ValueError, match=r"weight 0: shapes differ, \(2, 2\) vs \(4,\)"):
         models.max_difference(a, [np.zeros(4), a[1]])
+
+
+def test_import_accel_turns_onednn_off_unless_set():
+    from conftest import run_python
+
+    show = "import accel; import os; print(os.environ['TF_ENABLE_ONEDNN_OPTS'])"
+    unset = "import os; os.environ.pop('TF_ENABLE_ONEDNN_OPTS', None); "
+    assert run_python(unset + show).split()[-1] == "0"
+    assert run_python(show, env={"TF_ENABLE_ONEDNN_OPTS": "1"}).split()[-1] == "1"
