@@ -25,20 +25,27 @@ import tensorflow as tf
 from accel.devices import parse_device
 
 __all__ = [
-    "REMAINDERS", "split_batch", "average_gradients", "squared_error", "make_variables",
+    "REMAINDERS", "MISSING", "split_batch", "average_gradients", "squared_error", "make_variables",
     "make_tower_step", "make_single_step", "make_mirrored_step", "mirrored_strategy",
     "bench_towers", "figure_scaling",
 ]
 
 REMAINDERS = ("error", "pad", "drop")
+MISSING = ("zero", "skip")
 
 
 def _batch_size(tensors: list[tf.Tensor]) -> int:
+    scalars = [t for t in tensors if t.shape.rank == 0]
+    if scalars:
+        raise ValueError(f"cannot split a scalar (shape []) into shards: got {scalars[0]!r}; "
+                         "a batch has the examples along its first axis")
     sizes = {t.shape[0] for t in tensors}
     if len(sizes) != 1:
         raise ValueError("all parts of a batch must have the same leading size, got "
                          f"{sorted(sizes, key=str)}")
     (size,) = sizes
+    if size == 0:
+        raise ValueError("the batch is empty (0 examples): nothing to split")
     if size is None:
         raise ValueError("the batch size must be known when the step is traced: batch the data "
                          "with drop_remainder=True or trace with a fixed-size input signature")
@@ -83,16 +90,26 @@ def split_batch(batch, n: int, remainder: str = "error") -> list:
     return [tf.nest.pack_sequence_as(batch, [s[i] for s in shards]) for i in range(n)]
 
 
-def average_gradients(tower_grads: Sequence[Sequence[tuple]]) -> list[tuple]:
+def average_gradients(tower_grads: Sequence[Sequence[tuple]],
+                      missing: str = "zero") -> list[tuple]:
     """Average per-tower ``(gradient, variable)`` lists into one list of ``(gradient, variable)``.
 
     ``tower_grads[i][j]`` is tower ``i``'s pair for variable ``j``; every tower must list the
     same variables in the same order. ``None`` gradients are tolerated: a variable whose gradient
-    is ``None`` on every tower gets ``None``; if only some towers have a gradient, the mean is
-    taken over the towers that have one (a missing gradient is *not* counted as zero).
+    is ``None`` on every tower gets ``None`` (optimizers skip it). If only some towers have one,
+    ``missing`` decides:
+
+    * ``"zero"`` (default): a missing gradient counts as zero, so the result is the sum over the
+      towers that have one divided by *all* towers -- exactly the gradient of the mean loss over
+      the whole batch (the variable did not influence those towers' losses);
+    * ``"skip"``: the mean over the towers that have one (what the classic TF1 recipe did by
+      skipping ``None``), which weights those towers' examples more.
+
     ``tf.IndexedSlices`` gradients are made dense first. The ops run on the current device, so
     call it under ``tf.device(variable_device)`` to average where the variables live.
     """
+    if missing not in MISSING:
+        raise ValueError(f"missing must be one of {MISSING}, got {missing!r}")
     if not tower_grads:
         raise ValueError("tower_grads is empty: need one (gradient, variable) list per tower")
     lengths = {len(t) for t in tower_grads}
@@ -106,8 +123,12 @@ def average_gradients(tower_grads: Sequence[Sequence[tuple]]) -> list[tuple]:
             raise ValueError(f"position {j}: the towers list different variables "
                              f"({[getattr(v, 'name', v) for _, v in pairs]})")
         grads = [tf.convert_to_tensor(g) for g, _ in pairs if g is not None]
-        mean = tf.add_n(grads) / float(len(grads)) if len(grads) > 1 else None
-        averaged.append((mean if mean is not None else (grads[0] if grads else None), var))
+        if not grads:
+            averaged.append((None, var))
+            continue
+        count = len(pairs) if missing == "zero" else len(grads)
+        total = tf.add_n(grads) if len(grads) > 1 else grads[0]
+        averaged.append((total / float(count) if count > 1 else total, var))
     return averaged
 
 
@@ -127,6 +148,7 @@ def _model_parts(model_fn, params_or_model, device: str):
     """(forward(x), trainable variables) for a Keras model or a list of arrays/variables."""
     if isinstance(params_or_model, tf.keras.Model):
         model = params_or_model
+        _check_variables_on(model.trainable_variables, device)
         return (lambda x: model(x, training=True)), list(model.trainable_variables)
     if model_fn is None:
         raise ValueError("model_fn is required unless params_or_model is a Keras model")
@@ -135,7 +157,21 @@ def _model_parts(model_fn, params_or_model, device: str):
         raise ValueError("params_or_model is empty: nothing to train")
     if not all(isinstance(p, tf.Variable) for p in params):
         params = make_variables(params, device)
+    _check_variables_on(params, device)
     return (lambda x: model_fn(params, x)), params
+
+
+def _check_variables_on(variables, device: str) -> None:
+    """``ValueError`` naming the first variable that does not live on ``device``."""
+    want = parse_device(device)
+    for v in variables:
+        # a Keras 3 variable holds its tf.Variable in .value
+        where = v.device if isinstance(v, tf.Variable) else v.value.device
+        got = parse_device(where)
+        if (got.device_type, got.device_index) != (want.device_type, want.device_index):
+            raise ValueError(f"variable {v.name!r} lives on {where!r}, not on the variable "
+                             f"device {device!r}: create it under tf.device({device!r}) or "
+                             "pass variable_device=its device")
 
 
 def _updater(optimizer, variables, device: str) -> Callable[[list], None]:
@@ -176,7 +212,8 @@ def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_mode
     variables, their reads for the update, the averaging and the update
     (``ResourceApplyGradientDescent`` for plain SGD) run on ``variable_device``
     (default ``devices[0]``). The step ``step(x, y)`` takes a whole batch (split here with
-    ``split_batch(..., remainder)``) or tuples of ``len(devices)`` per-tower shards, and returns
+    ``split_batch(..., remainder)``) or tuples of ``len(devices)`` per-tower shards (a tuple or
+    list ``x`` is always read as shards, one per device), and returns
     the mean of the tower losses. ``step.variables`` are the trained variables.
     """
     devices = [parse_device(d).to_string() for d in devices]
@@ -237,18 +274,18 @@ def mirrored_strategy(devices: Sequence[str],
                       ) -> tf.distribute.MirroredStrategy:
     """``MirroredStrategy`` over exactly ``devices`` (a subset of the logical devices).
 
-    ``cross_device_ops="auto"``: on CPUs, ``ReductionToOneDevice(devices[0])`` (gradients summed
-    on the first device, like the towers recipe); on GPUs, TensorFlow's default (NCCL all-reduce).
-    Why not collectives on CPUs: in TF 2.21 two strategies with different numbers of replicas in
-    one process reuse a collective group key and the second aborts ("is joining a group with
-    size 4, but that group has size 2").
+    ``cross_device_ops="auto"``: ``ReductionToOneDevice(devices[0])``: gradients summed on the
+    first device and the result sent back, like the towers recipe. ``None``: TensorFlow's
+    default (collective all-reduce; NCCL on GPUs), the fast choice on real multi-GPU machines.
+    Why not the default here: in TF 2.21 two strategies with different numbers of replicas in one
+    process reuse a collective group key and the second aborts ("is joining a group with size 4,
+    but that group has size 2"), and the chapter builds strategies over 1, 2 and 4 devices.
     """
     names = [parse_device(d).to_string() for d in devices]
     if not names:
         raise ValueError("devices is empty: give at least one device name")
     if cross_device_ops == "auto":
-        on_cpu = all(parse_device(d).device_type == "CPU" for d in names)
-        cross_device_ops = tf.distribute.ReductionToOneDevice(names[0]) if on_cpu else None
+        cross_device_ops = tf.distribute.ReductionToOneDevice(names[0])
     elif isinstance(cross_device_ops, str):
         raise ValueError(f"cross_device_ops must be 'auto', None or a CrossDeviceOps, "
                          f"got {cross_device_ops!r}")
@@ -263,6 +300,8 @@ def make_mirrored_step(strategy: tf.distribute.Strategy, model: tf.keras.Model,
     (``tf.nn.compute_average_loss``); the optimizer sums the replicas' gradients (an all-reduce),
     so the update equals the single-device step on the whole batch. ``step(batch)`` takes an
     element of ``strategy.experimental_distribute_dataset(...)`` and returns the global mean loss.
+    Every batch must have ``global_batch_size`` examples (batch with ``drop_remainder=True``):
+    a shorter last batch would be divided by the wrong size.
     """
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")

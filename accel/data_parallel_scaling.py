@@ -4,6 +4,7 @@
 * ``timed_steps(n, ...)``: the three training steps for ``n`` devices, ready to time;
 * ``measure_scaling(counts)``: step time and examples/s for 1, 2, 4 devices, by hand and with
   MirroredStrategy, measured in one run (interleaved, medians);
+* ``format_scaling(results)``: that as a table of step times and ratios;
 * ``bench_towers()``: the ``python -m accel bench towers`` report (ratios for 2 and 4 devices);
 * ``figure_scaling(results)``: the plot of ``measure_scaling`` (``images/06_scaling.png``);
 * ``step_time_model(...)``: a cost model of one synchronous step on ``n`` real accelerators;
@@ -23,14 +24,17 @@ from accel.data_parallel import (
     make_single_step,
     make_tower_step,
     mirrored_strategy,
+    split_batch,
     squared_error,
 )
 
-__all__ = ["BENCH_SIZES", "timed_steps", "measure_scaling", "bench_towers", "figure_scaling",
+__all__ = ["BENCH_SIZES", "SCHEMES", "timed_steps", "measure_scaling", "format_scaling",
+           "bench_towers", "figure_scaling",
            "step_time_model", "scaled_learning_rate", "final_loss"]
 
 BENCH_SIZES = (128, 512, 512, 16)  # MLP layer widths used for timing
 VARIANTS = ("single", "towers", "mirrored")
+SCHEMES = ("ring", "one_device", "host")
 
 
 def timed_steps(n: int, device_names: Sequence[str], per_device_batch: int = 256,
@@ -38,7 +42,10 @@ def timed_steps(n: int, device_names: Sequence[str], per_device_batch: int = 256
     """Zero-argument callables running one training step each, on a global batch of
     ``n * per_device_batch``: ``single`` (all of it on ``device_names[0]``), ``towers``
     (``make_tower_step`` over the first ``n`` devices) and ``mirrored`` (a MirroredStrategy
-    custom-loop step over the same devices). Each returns the loss as a NumPy value."""
+    custom-loop step over the same devices). Each returns the loss as a NumPy value. Both
+    parallel steps get their input already split, each shard on its device (as
+    ``experimental_distribute_dataset`` hands it to MirroredStrategy), so neither pays for the
+    split inside the timed step."""
     if n < 1 or n > len(device_names):
         raise ValueError(f"n must be in 1..{len(device_names)} (the devices given), got {n}")
     sizes = list(sizes)
@@ -56,8 +63,13 @@ def timed_steps(n: int, device_names: Sequence[str], per_device_batch: int = 256
     mirrored = make_mirrored_step(strategy, model, squared_error, optimizer, global_batch)
     ds = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((x, y)))
     batch = next(iter(ds))
+    shards = []
+    for device, (xs, ys) in zip(device_names[:n], split_batch((x, y), n), strict=True):
+        with tf.device(device):
+            shards.append((tf.identity(xs), tf.identity(ys)))
+    xs, ys = (tuple(part) for part in zip(*shards, strict=True))
     return {"single": lambda: single(xt, yt).numpy(),
-            "towers": lambda: towers(xt, yt).numpy(),
+            "towers": lambda: towers(xs, ys).numpy(),
             "mirrored": lambda: mirrored(batch).numpy()}
 
 
@@ -91,6 +103,22 @@ def measure_scaling(counts: Sequence[int] = (1, 2, 4), per_device_batch: int = 2
            for v, ts in step_s.items()}
     return {"counts": list(counts), "per_device_batch": per_device_batch, "step_s": step_s,
             "examples_per_s": eps}
+
+
+def format_scaling(res: dict) -> str:
+    """``measure_scaling``'s result as text: step times, examples/s against one device, and
+    the towers / MirroredStrategy ratio, per device count."""
+    lines = ["devices   " + "".join(f"{n:>10}" for n in res["counts"])]
+    for v in VARIANTS:
+        lines.append(f"{v:10}" + "".join(f"{t * 1e3:>8.1f}ms" for t in res["step_s"][v]))
+    for v in ("towers", "mirrored"):
+        eps = res["examples_per_s"][v]
+        lines.append(f"{v:10} examples/s vs 1 device: "
+                     + "  ".join(f"{e / eps[0]:.2f}x" for e in eps))
+    pairs = zip(res["step_s"]["towers"], res["step_s"]["mirrored"], strict=True)
+    lines.append("towers / MirroredStrategy step time: "
+                 + "  ".join(f"{a / b:.2f}" for a, b in pairs))
+    return "\n".join(lines)
 
 
 def bench_towers(counts: Sequence[int] = (2, 4), per_device_batch: int = 256) -> dict:
@@ -152,8 +180,12 @@ def step_time_model(n: int, compute_s: float, gradient_bytes: float, bandwidth_b
 
     * ``"ring"`` (all-reduce, e.g. NCCL): each device sends and receives ``2 (n-1)/n`` times the
       gradients, in ``2 (n-1)`` latency-bound steps;
-    * ``"one_device"`` (the towers recipe: reduce to the variable device, then send the new
-      weights back): that device's link carries ``2 (n-1)`` copies.
+    * ``"one_device"`` (the towers recipe with the variables on one of the ``n`` accelerators:
+      reduce there, then send the new weights back): that device's link carries ``2 (n-1)``
+      copies of the gradients' size;
+    * ``"host"`` (the classic recipe with the variables on the host CPU): all ``n`` accelerators
+      fetch the weights from it and send their gradients to it, ``2 n`` copies over the host's
+      link, so even one accelerator pays for the exchange.
     """
     if n < 1 or compute_s < 0 or gradient_bytes < 0 or bandwidth_bps <= 0 or latency_s < 0:
         raise ValueError(f"need n >= 1, times and bytes >= 0, bandwidth > 0; got {n=}, "
@@ -163,7 +195,9 @@ def step_time_model(n: int, compute_s: float, gradient_bytes: float, bandwidth_b
             + 2 * (n - 1) * latency_s
     if scheme == "one_device":
         return compute_s + 2 * (n - 1) * (gradient_bytes / bandwidth_bps + latency_s)
-    raise ValueError(f"scheme must be 'ring' or 'one_device', got {scheme!r}")
+    if scheme == "host":
+        return compute_s + 2 * n * (gradient_bytes / bandwidth_bps + latency_s)
+    raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
 
 
 def scaled_learning_rate(base_lr: float, base_batch: int, global_batch: int) -> float:

@@ -18,7 +18,8 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import tensorflow as tf
@@ -82,6 +83,20 @@ class Placement:
     def counts(self) -> dict[str, int]:
         """Number of ops per device."""
         return {d: len(self.ops_on(d)) for d in self.devices()}
+
+    def count_table(self, op_types: Sequence[str]) -> str:
+        """How many ops of each of ``op_types`` ran on each device, as aligned text."""
+        if not op_types:
+            raise ValueError("op_types is empty: name the op types to count, e.g. ['MatMul']")
+        widths = [max(6, len(t) + 2) for t in op_types]
+        dev_width = max(8, *(len(d) + 2 for d in self.devices()))
+        lines = [f"{'device':{dev_width}}"
+                 + "".join(f"{t:>{w}}" for t, w in zip(op_types, widths, strict=True))]
+        for dev in self.devices():
+            n = Counter(r.op_type for r in self.ops_on(dev))
+            lines.append(f"{dev:{dev_width}}"
+                         + "".join(f"{n[t]:>{w}}" for t, w in zip(op_types, widths, strict=True)))
+        return "\n".join(lines)
 
     def without(self, *op_types: str) -> Placement:
         """A copy without ops of the given types (e.g. '_Arg', '_Retval', 'NoOp')."""

@@ -88,6 +88,10 @@ def test_split_batch_bad_arguments(kwargs, message):
 def test_split_batch_mismatched_sizes_and_unknown_size():
     with pytest.raises(ValueError, match="same leading size"):
         dp.split_batch((np.zeros((4, 1)), np.zeros((5, 1))), 2)
+    with pytest.raises(ValueError, match="batch is empty"):
+        dp.split_batch(np.zeros((0, 3)), 2)
+    with pytest.raises(ValueError, match="cannot split a scalar"):
+        dp.split_batch(np.float32(1.0), 2)
 
     @tf.function(input_signature=[tf.TensorSpec([None, 2])])
     def f(x):
@@ -107,7 +111,34 @@ def test_average_gradients_mean_and_none():
     assert (w0, w1, w2) == (v0, v1, v2)
     np.testing.assert_allclose(a0.numpy(), [2.0, 4.0])
     assert a1 is None  # None on every tower
-    np.testing.assert_allclose(a2.numpy(), g[0])  # mean over the towers that have one
+    np.testing.assert_allclose(a2.numpy(), g[0] / 2)  # a missing gradient counts as zero
+    (_, _), (s1, _), (s2, _) = dp.average_gradients(towers, missing="skip")
+    assert s1 is None
+    np.testing.assert_allclose(s2.numpy(), g[0])  # mean over the towers that have one
+    with pytest.raises(ValueError, match="missing must be one of"):
+        dp.average_gradients(towers, missing="mean")
+
+
+def test_average_gradients_zero_equals_whole_batch_gradient():
+    """A variable used only for some examples: "zero" gives the whole-batch gradient."""
+    v, w = tf.Variable(1.0), tf.Variable(3.0)
+    x = tf.constant([1.0, 2.0, 3.0, 4.0])
+    uses_w = tf.constant([0.0, 0.0, 1.0, 1.0])  # only tower 1's examples touch w
+
+    def loss(xs, mask):
+        return tf.reduce_mean(v * xs + tf.where(mask > 0, w * xs, 0.0))
+
+    with tf.GradientTape() as tape:
+        whole = loss(x, uses_w)
+    expected = tape.gradient(whole, [v, w])
+    towers = []
+    for xs, mask in dp.split_batch((x, uses_w), 2):
+        with tf.GradientTape() as tape:
+            part = loss(xs, mask) if float(tf.reduce_sum(mask)) else tf.reduce_mean(v * xs)
+        towers.append(list(zip(tape.gradient(part, [v, w]), [v, w], strict=True)))
+    assert towers[0][1][0] is None and towers[1][1][0] is not None
+    got = [g.numpy() for g, _ in dp.average_gradients(towers)]
+    np.testing.assert_allclose(got, [e.numpy() for e in expected], rtol=1e-6)
 
 
 def test_average_gradients_indexed_slices_made_dense():
@@ -186,7 +217,12 @@ def test_tower_step_uneven_batch(problem, four_devices):
         step(x[:10], y[:10])
     padded = dp.make_tower_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), LR,
                                 four_devices[:4], remainder="pad")
-    assert np.isfinite(padded(x[:10], y[:10]).numpy())
+    padded(x[:10], y[:10])
+    # == one device on the batch padded by hand: the first 2 examples repeated (12 = 4 x 3)
+    by_hand = dp.make_single_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), LR,
+                                  four_devices[0])
+    by_hand(np.concatenate([x[:10], x[:2]]), np.concatenate([y[:10], y[:2]]))
+    assert_weights([v.numpy() for v in padded.variables], [v.numpy() for v in by_hand.variables])
 
 
 def test_tower_step_bad_arguments(four_devices):
@@ -200,6 +236,14 @@ def test_tower_step_bad_arguments(four_devices):
                            four_devices)
     with pytest.raises(ValueError, match="model_fn is required"):
         dp.make_tower_step(None, dp.squared_error, models.mlp_init(SIZES), LR, four_devices)
+    on_one = dp.make_variables(models.mlp_init(SIZES), four_devices[1])
+    with pytest.raises(ValueError, match="lives on .*CPU:1.*not on the variable device"):
+        dp.make_tower_step(models.mlp_apply, dp.squared_error, on_one, LR, four_devices,
+                           variable_device=four_devices[0])
+    with tf.device(four_devices[2]):
+        model = models.keras_mlp(SIZES)
+    with pytest.raises(ValueError, match="CPU:2"):
+        dp.make_tower_step(None, dp.squared_error, model, LR, four_devices)
 
 
 # ----------------------------------------------------------------------------- placement
@@ -218,10 +262,17 @@ def test_placement_variables_and_towers(problem, four_devices):
     reads = [r for r in table.rows if r.op_type == "ReadVariableOp"]
     assert reads and {r.device for r in reads} == {var_dev}
     assert all(v.device.endswith(var_dev) for v in step.variables)
+    averages = [r for r in table.rows if r.op_type == "AddN"]
+    assert averages and all(r.name.startswith("update/") for r in averages)
+    assert {r.device for r in averages} == {var_dev}
     for i, dev in enumerate(towers):
         matmuls = [r for r in table.rows if r.op_type == "MatMul" and f"tower_{i}/" in r.name]
         assert len(matmuls) == 5  # 2 forward + 3 backward (no gradient w.r.t. the input)
         assert {r.device for r in matmuls} == {dev}
+        # every op of the tower runs on its device, except the variable reads and the transfers
+        elsewhere = {r.op_type for r in table.rows
+                     if f"tower_{i}/" in r.name and r.device != dev}
+        assert elsewhere <= {"ReadVariableOp", "_Send", "_Recv"}, elsewhere
         assert not [r for r in table.ops_on(dev) if r.op_type == "ResourceApplyGradientDescent"]
 
 
@@ -264,6 +315,8 @@ def test_step_time_model_and_linear_rule():
     assert scaling.step_time_model(1, 0.1, 1e8, 1e10) == pytest.approx(0.1)
     assert scaling.step_time_model(4, 0.1, 1e8, 1e10) == pytest.approx(0.1 + 1.5e-2)
     assert scaling.step_time_model(4, 0.1, 1e8, 1e10, "one_device") == pytest.approx(0.16)
+    assert scaling.step_time_model(4, 0.1, 1e8, 1e10, "host") == pytest.approx(0.18)
+    assert scaling.step_time_model(1, 0.1, 1e8, 1e10, "host") == pytest.approx(0.12)
     with pytest.raises(ValueError, match="scheme"):
         scaling.step_time_model(2, 0.1, 1.0, 1.0, scheme="tree")
     assert scaling.scaled_learning_rate(0.1, 256, 8192) == pytest.approx(3.2)
@@ -282,10 +335,17 @@ def test_figure_scaling_from_results():
     fig = dp.figure_scaling(res)
     assert len(fig.axes) == 2
     plt.close(fig)
+    lines = scaling.format_scaling(res).splitlines()
+    assert lines[0].split() == ["devices", "1", "2", "4"]
+    assert lines[2].split() == ["towers", "1000.0ms", "2000.0ms", "4000.0ms"]
+    assert lines[-1].endswith("1.00  0.95  0.95")
 
 
 def test_timed_steps_agree_on_loss(four_devices):
+    """The second call's loss depends on the first update: the three steps train alike."""
     steps = scaling.timed_steps(2, four_devices, per_device_batch=8, sizes=(4, 8, 2))
+    first = {k: float(fn()) for k, fn in steps.items()}
     losses = {k: float(fn()) for k, fn in steps.items()}
+    assert losses["single"] < first["single"]
     assert losses["towers"] == pytest.approx(losses["single"], rel=1e-5)
     assert losses["mirrored"] == pytest.approx(losses["single"], rel=1e-5)

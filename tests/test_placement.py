@@ -81,6 +81,15 @@ def test_placement_table_queries():
     assert len(lines) == len(real) + 1
     with pytest.raises(KeyError, match="no op named 'nope'"):
         table.device_of("nope")
+    counted = real.count_table(["AddV2", "Sin"]).splitlines()
+    assert counted[0].split() == ["device", "AddV2", "Sin"]
+    assert len(counted) == len(real.devices()) + 1
+    per_device = {line.split()[0]: [int(n) for n in line.split()[1:]] for line in counted[1:]}
+    for dev, (adds, sins) in per_device.items():
+        assert adds == sum(r.op_type == "AddV2" for r in real.ops_on(dev))
+        assert sins == sum(r.op_type == "Sin" for r in real.ops_on(dev))
+    with pytest.raises(ValueError, match="op_types is empty"):
+        real.count_table([])
 
 
 def test_placement_of_rejects_bad_targets():
