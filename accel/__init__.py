@@ -15,8 +15,8 @@ accel.memory_measure (04)          what TensorFlow really holds: tape tensors, s
 accel.memory_savings (04)          recomputation and mixed precision, measured
 accel.parameter_server (05)        parameter server + worker threads: sync, async, K-of-N, delay
 accel.staleness (05)               per-update records, staleness analysis, the sync-async bench
-accel.data_parallel (06)           towers by hand: split_batch, average_gradients, tower steps,
-                                   and the same with MirroredStrategy
+accel.data_parallel (06)           towers by hand: split_batch, average_gradients, tower steps
+accel.mirrored (06)                the same training with MirroredStrategy (custom loop)
 accel.data_parallel_scaling (06)   scaling measured (towers vs Mirrored vs one device), cost model
 accel.tfrecords (06)               examples to TFRecord files and back through tf.data
 accel.timing (all)                 wall-clock medians and ratio tables

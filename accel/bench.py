@@ -17,7 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                "peak memory and step time: plain vs recompute vs mixed precision (chapter 04)"),
     "sync-async": ("accel.parameter_server:bench_sync_async",
                    "throughput of sync, async and K-of-N with a 4x straggler (chapter 05)"),
-    "towers": ("accel.data_parallel:bench_towers",
+    "towers": ("accel.data_parallel_scaling:bench_towers",
                "step time of hand-written towers vs MirroredStrategy vs one device (chapter 06)"),
 }
 

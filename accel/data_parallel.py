@@ -9,9 +9,10 @@ The towers recipe (one model replica, a *tower*, per device):
 4. the gradients are averaged (``average_gradients``) and applied once, on the variable device.
 
 ``make_tower_step`` builds that step as one ``tf.function`` for any model and list of devices;
-``make_single_step`` is the one-device reference and ``make_mirrored_step`` the same training
-with ``tf.distribute.MirroredStrategy``. Loss functions return *per-example* losses: a tower
-takes their mean over its shard; MirroredStrategy scales them by the global batch size.
+``make_single_step`` is the one-device reference; ``make_mirrored_step`` (from ``accel.mirrored``,
+re-exported here) is the same training with ``tf.distribute.MirroredStrategy``. Loss functions
+return *per-example* losses: a tower takes their mean over its shard; MirroredStrategy scales
+them by the global batch size.
 Scaling measurements, the benchmark and the figure live in ``accel.data_parallel_scaling``.
 """
 
@@ -27,7 +28,6 @@ from accel.devices import parse_device
 __all__ = [
     "REMAINDERS", "MISSING", "split_batch", "average_gradients", "squared_error", "make_variables",
     "make_tower_step", "make_single_step", "make_mirrored_step", "mirrored_strategy",
-    "bench_towers", "figure_scaling",
 ]
 
 REMAINDERS = ("error", "pad", "drop")
@@ -269,68 +269,5 @@ def make_single_step(model_fn: Callable | None, loss_fn: Callable, params_or_mod
     return step
 
 
-def mirrored_strategy(devices: Sequence[str],
-                      cross_device_ops: tf.distribute.CrossDeviceOps | None | str = "auto",
-                      ) -> tf.distribute.MirroredStrategy:
-    """``MirroredStrategy`` over exactly ``devices`` (a subset of the logical devices).
-
-    ``cross_device_ops="auto"``: ``ReductionToOneDevice(devices[0])``: gradients summed on the
-    first device and the result sent back, like the towers recipe. ``None``: TensorFlow's
-    default (collective all-reduce; NCCL on GPUs), the fast choice on real multi-GPU machines.
-    Why not the default here: in TF 2.21 two strategies with different numbers of replicas in one
-    process reuse a collective group key and the second aborts ("is joining a group with size 4,
-    but that group has size 2"), and the chapter builds strategies over 1, 2 and 4 devices.
-    """
-    names = [parse_device(d).to_string() for d in devices]
-    if not names:
-        raise ValueError("devices is empty: give at least one device name")
-    if cross_device_ops == "auto":
-        cross_device_ops = tf.distribute.ReductionToOneDevice(names[0])
-    elif isinstance(cross_device_ops, str):
-        raise ValueError(f"cross_device_ops must be 'auto', None or a CrossDeviceOps, "
-                         f"got {cross_device_ops!r}")
-    return tf.distribute.MirroredStrategy(devices=names, cross_device_ops=cross_device_ops)
-
-
-def make_mirrored_step(strategy: tf.distribute.Strategy, model: tf.keras.Model,
-                       loss_fn: Callable, optimizer, global_batch_size: int):
-    """A custom-loop training step under ``strategy`` for a Keras ``model`` built in its scope.
-
-    Each replica scales its per-example losses by the *global* batch size
-    (``tf.nn.compute_average_loss``); the optimizer sums the replicas' gradients (an all-reduce),
-    so the update equals the single-device step on the whole batch. ``step(batch)`` takes an
-    element of ``strategy.experimental_distribute_dataset(...)`` and returns the global mean loss.
-    Every batch must have ``global_batch_size`` examples (batch with ``drop_remainder=True``):
-    a shorter last batch would be divided by the wrong size.
-    """
-    if global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
-
-    def replica_step(x, y):
-        with tf.GradientTape() as tape:
-            per_example = loss_fn(y, model(x, training=True))
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        return loss
-
-    @tf.function
-    def step(batch):
-        per_replica = strategy.run(replica_step, args=batch)
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-
-    return step
-
-
-def bench_towers() -> dict:
-    """``python -m accel bench towers``: see ``accel.data_parallel_scaling.bench_towers``."""
-    from accel.data_parallel_scaling import bench_towers as run
-
-    return run()
-
-
-def figure_scaling(results: dict | None = None):
-    """``images/06_scaling.png``: see ``accel.data_parallel_scaling.figure_scaling``."""
-    from accel.data_parallel_scaling import figure_scaling as draw
-
-    return draw(results)
+# The same training with MirroredStrategy (re-exported: dp.mirrored_strategy etc.).
+from accel.mirrored import make_mirrored_step, mirrored_strategy  # noqa: E402

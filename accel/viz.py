@@ -23,7 +23,7 @@ FIGURES: dict[str, str] = {
     "03_kernels.png": "accel.diagrams:figure_kernels",
     "04_memory.png": "accel.memory:figure_memory",
     "05_staleness.png": "accel.parameter_server:figure_staleness",
-    "06_scaling.png": "accel.data_parallel:figure_scaling",
+    "06_scaling.png": "accel.data_parallel_scaling:figure_scaling",
 }
 
 _PALETTE = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]

@@ -332,7 +332,7 @@ def test_figure_scaling_from_results():
                       "single": [1.0, 2.0, 4.0]},
            "examples_per_s": {"towers": [8, 8, 8], "mirrored": [8, 7.6, 7.6],
                               "single": [8, 8, 8]}}
-    fig = dp.figure_scaling(res)
+    fig = scaling.figure_scaling(res)
     assert len(fig.axes) == 2
     plt.close(fig)
     lines = scaling.format_scaling(res).splitlines()

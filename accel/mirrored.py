@@ -1,0 +1,72 @@
+"""The same training as the towers recipe, with ``tf.distribute.MirroredStrategy``.
+
+* ``mirrored_strategy(devices)``: a strategy over exactly those devices, whose gradient sum runs
+  on the first device (like the towers) so that strategies of several sizes share a process;
+* ``make_mirrored_step(strategy, model, loss_fn, optimizer, global_batch_size)``: a custom-loop
+  training step, the loss scaled by the *global* batch size.
+
+Both are re-exported by ``accel.data_parallel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+
+from accel.devices import parse_device
+
+__all__ = ["mirrored_strategy", "make_mirrored_step"]
+
+
+def mirrored_strategy(devices: Sequence[str],
+                      cross_device_ops: tf.distribute.CrossDeviceOps | None | str = "auto",
+                      ) -> tf.distribute.MirroredStrategy:
+    """``MirroredStrategy`` over exactly ``devices`` (a subset of the logical devices).
+
+    ``cross_device_ops="auto"``: ``ReductionToOneDevice(devices[0])``: gradients summed on the
+    first device and the result sent back, like the towers recipe. ``None``: TensorFlow's
+    default (collective all-reduce; NCCL on GPUs), the fast choice on real multi-GPU machines.
+    Why not the default here: in TF 2.21 two strategies with different numbers of replicas in one
+    process reuse a collective group key and the second aborts ("is joining a group with size 4,
+    but that group has size 2"), and the chapter builds strategies over 1, 2 and 4 devices.
+    """
+    names = [parse_device(d).to_string() for d in devices]
+    if not names:
+        raise ValueError("devices is empty: give at least one device name")
+    if cross_device_ops == "auto":
+        cross_device_ops = tf.distribute.ReductionToOneDevice(names[0])
+    elif isinstance(cross_device_ops, str):
+        raise ValueError(f"cross_device_ops must be 'auto', None or a CrossDeviceOps, "
+                         f"got {cross_device_ops!r}")
+    return tf.distribute.MirroredStrategy(devices=names, cross_device_ops=cross_device_ops)
+
+
+def make_mirrored_step(strategy: tf.distribute.Strategy, model: tf.keras.Model,
+                       loss_fn: Callable, optimizer, global_batch_size: int):
+    """A custom-loop training step under ``strategy`` for a Keras ``model`` built in its scope.
+
+    Each replica scales its per-example losses by the *global* batch size
+    (``tf.nn.compute_average_loss``); the optimizer sums the replicas' gradients (an all-reduce),
+    so the update equals the single-device step on the whole batch. ``step(batch)`` takes an
+    element of ``strategy.experimental_distribute_dataset(...)`` and returns the global mean loss.
+    Every batch must have ``global_batch_size`` examples (batch with ``drop_remainder=True``):
+    a shorter last batch would be divided by the wrong size.
+    """
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            per_example = loss_fn(y, model(x, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    @tf.function
+    def step(batch):
+        per_replica = strategy.run(replica_step, args=batch)
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return step
