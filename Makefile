@@ -18,7 +18,7 @@ help:  ## list the targets
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=68" wheel
 	$(BIN)/python -m pip install --quiet -e ".[course,test]"
 	touch $(STAMP)
 

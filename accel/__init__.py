@@ -1,29 +1,34 @@
 """accel: the helper package of the "Accelerating TensorFlow" course.
 
-One module per idea; every chapter imports from here and so can your own code.
+The package is layered; a module imports only from its own layer or the ones above it in this
+list (a test enforces it), so the library never depends on the course's experiments:
 
-module (chapter)                   idea
-accel.devices (01)                 device names, physical vs logical devices, setup()
-accel.scale (01)                   the scale of training: FLOPs of a run, measured matmul speed
-accel.placement (02, 03)           where ops ran (placement_of), device functions, soft placement
-accel.kernels (03)                 the kernel registry: op x device type x dtype, portability audit
-accel.copy_cost (02)               what crossing devices costs: measured, and a bandwidth model
-accel.diagrams (01-03)             the figures of chapters 01-03
-accel.memory (04)                  training memory: estimated per part, and measured peaks
-accel.memory_config (04)           TF1 ConfigProto / TF2 GPU memory plans, thread pools
-accel.memory_measure (04)          what TensorFlow really holds: tape tensors, step peaks, scratch
-accel.memory_savings (04)          recomputation and mixed precision, measured
-accel.parameter_server (05)        parameter server + worker threads: sync, async, K-of-N, delay
-accel.staleness (05)               per-update records, staleness analysis, the sync-async bench
-accel.data_parallel (06)           towers by hand: split_batch, average_gradients, tower steps
-accel.mirrored (06)                the same training with MirroredStrategy (custom loop)
-accel.data_parallel_scaling (06)   scaling measured (towers vs Mirrored vs one device), cost model
-accel.tfrecords (06)               examples to TFRecord files and back through tf.data
-accel.timing (all)                 wall-clock medians and ratio tables
-accel.data (all)                   synthetic, learnable data sets
-accel.models (all)                 a tiny MLP as plain variables and as a Keras model
-accel.viz (all)                    generic plots and the `make images` registry
-accel.bench (all)                  the benchmarks behind `python -m accel bench NAME`
+layer        module (chapter)                  idea
+plumbing     accel.checks (all)                argument checks: ValueError naming the value
+             accel.procs (all)                 the one runner of fresh Python processes
+             accel.timing (all)                medians, ratio tables, matmul speed, thread ceiling
+             accel.data (all)                  synthetic, learnable data sets
+             accel.models (all)                a tiny MLP as plain variables and as a Keras model
+             accel.training (all)              per-example losses, learning rate or optimizer
+             accel.viz (all)                   generic plots: bars, curves, timelines
+costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, with sources
+             accel.costmodel.steps (01-06)     FLOPs of a run, copy times, data-parallel step time
+part I       accel.devices (01)                device names, physical vs logical devices, setup()
+             accel.kernels (03)                the kernel registry: op x device type x dtype
+             accel.placement (02, 03)          where ops ran (placement_of), device functions,
+                                               soft placement, placement logs
+part II      accel.memory.estimate (04)        training memory estimated per part
+             accel.memory.measure (04)         what TensorFlow holds: tape tensors, peaks, scratch
+             accel.memory.config (04)          TF1 ConfigProto / TF2 GPU memory plans
+             accel.memory.savings (04)         recomputation and mixed precision, measured
+part III     accel.parallel.staleness (05)     the server's decision rules, records, staleness
+             accel.parallel.parameter_server   parameter server + worker threads (05)
+             accel.parallel.data (06)          data parallelism by hand: the towers recipe
+             accel.parallel.mirrored (06)      the same with MirroredStrategy
+             accel.parallel.inputs (06)        TFRecord files through tf.data, split per tower
+course       accel.course.registry             benchmarks (python -m accel bench) and figures
+             accel.course.* (01-06)            each chapter's experiments, figures and toy set-ups;
+                                               the only code that calls accel.devices.setup()
 
 Importing ``accel`` sets two environment variables (unless you set them) *before* TensorFlow is
 imported, because TensorFlow reads them only once, at import time:
@@ -35,7 +40,8 @@ imported, because TensorFlow reads them only once, at import time:
   tables and memory figures would depend on the reader's CPU. Set it to 1 yourself for speed.
 
 Command line: ``python -m accel devices`` prints the device report; ``python -m accel bench NAME``
-runs a benchmark (``python -m accel bench --list`` shows the names).
+runs a benchmark (``python -m accel bench --list`` shows the names); ``python -m accel images``
+redraws the figures.
 """
 
 from __future__ import annotations

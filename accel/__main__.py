@@ -1,4 +1,10 @@
-"""Command line: ``python -m accel devices | bench NAME | bench --list | images``."""
+"""The course's command line.
+
+  python -m accel devices [--count N]      the device report
+  python -m accel bench --list             the benchmarks, one per line: name, tab, description
+  python -m accel bench NAME [NAME ...]    run benchmarks (or 'all') in one process
+  python -m accel images [NAME ...]        redraw the figures in images/
+"""
 
 from __future__ import annotations
 
@@ -7,14 +13,16 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m accel", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m accel", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     dev = sub.add_parser("devices", help="print the device report")
     dev.add_argument("--count", type=int, default=None,
                      help="also create this many logical devices with accel.devices.setup")
     bench = sub.add_parser("bench", help="run a benchmark; prints ratios against its baseline")
-    bench.add_argument("name", nargs="?", help="benchmark name (see --list)")
+    bench.add_argument("names", nargs="*", help="benchmark names (see --list), or 'all'")
     bench.add_argument("--list", action="store_true", help="list the benchmarks")
+    bench.add_argument("--quick", action="store_true", help="a tiny run that checks it works")
     img = sub.add_parser("images", help="regenerate the course figures")
     img.add_argument("names", nargs="*", help="only these figures, e.g. 06_scaling.png")
     img.add_argument("--out", default="images", help="output folder (default: images)")
@@ -27,21 +35,21 @@ def main(argv: list[str] | None = None) -> int:
             devices.setup(args.count)
         print(devices.report())
     elif args.command == "bench":
-        from accel import bench as benchmarks
+        from accel.course import registry
 
-        if args.list or not args.name:
-            for name, (_, text) in sorted(benchmarks.BENCHMARKS.items()):
-                print(f"{name:12s} {text}")
+        if args.list or not args.names:
+            print("\n".join(registry.list_lines()))
             return 0
+        names = None if args.names == ["all"] else args.names
         try:
-            benchmarks.run(args.name)
+            registry.run_all(names, quick=args.quick)
         except ValueError as exc:
             parser.error(str(exc))
     elif args.command == "images":
-        from accel import viz
+        from accel.course import registry
 
         try:
-            paths = viz.save_figures(args.out, args.names or None)
+            paths = registry.save_figures(args.out, args.names or None)
         except ValueError as exc:
             parser.error(str(exc))
         for path in paths:

@@ -16,17 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
 
-__all__ = [
-    "setup",
-    "parse_device",
-    "normalize_device",
-    "merge_devices",
-    "DeviceRow",
-    "device_table",
-    "format_table",
-    "report",
-    "fresh_process_devices",
-]
+from accel import checks, procs
+
+__all__ = ["setup", "seed_everything", "parse_device", "normalize_device", "merge_devices",
+           "DeviceRow", "device_table", "format_table", "report", "fresh_process_devices"]
 
 KINDS = ("auto", "cpu", "gpu")
 DEFAULT_GPU_SPLIT_MB = 1024
@@ -34,7 +27,9 @@ DEFAULT_GPU_SPLIT_MB = 1024
 _state: dict[str, object] = {}
 
 
-def _set_seeds(seed: int) -> None:
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator and TensorFlow's global seed."""
+    checks.non_negative_int("seed", seed)
     random.seed(seed)
     np.random.seed(seed)
     tf.random.set_seed(seed)
@@ -70,84 +65,107 @@ def _configure(count: int, kind: str, gpu_memory_mb: int) -> str:
     return "CPU"
 
 
+def _threads(inter_op: int | None, intra_op: int | None) -> None:
+    """Size the thread pools; TensorFlow refuses once it has started."""
+    if inter_op is not None:
+        tf.config.threading.set_inter_op_parallelism_threads(inter_op)
+    if intra_op is not None:
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op)
+
+
 def setup(count: int = 4, kind: str = "auto", seed: int = 0,
+          intra_op_threads: int | None = None, inter_op_threads: int | None = None,
           gpu_memory_mb: int = DEFAULT_GPU_SPLIT_MB) -> list[str]:
     """Create ``count`` devices to work on and return their names (e.g. ``'/device:CPU:2'``).
 
     ``kind="auto"``: ``count`` real GPUs if there are that many, else the first GPU split into
     ``count`` logical GPUs of ``gpu_memory_mb`` each, else the CPU split into ``count`` logical
     CPUs. ``kind="cpu"`` always splits the CPU; ``kind="gpu"`` refuses to run without a GPU.
+    ``intra_op_threads`` / ``inter_op_threads`` size TensorFlow's thread pools (``None``: its
+    default); one intra-op thread lets two devices truly overlap on two cores (chapters 07-08).
 
-    Also seeds Python, NumPy and TensorFlow with ``seed`` and silences TensorFlow's Python INFO
-    logging. Idempotent: calling it again with the same arguments returns the same names.
-    Logical devices can only be configured before TensorFlow runs its first op, so asking for a
-    different configuration afterwards raises ``RuntimeError`` (restart the kernel).
+    The first call also seeds Python, NumPy and TensorFlow with ``seed`` (``seed_everything``)
+    and silences TensorFlow's Python INFO logging. Idempotent: calling it again with the same
+    arguments returns the same names and changes nothing (it does not reseed). Devices and thread
+    pools are fixed once TensorFlow runs its first op, so another configuration afterwards raises
+    ``RuntimeError`` (restart the kernel).
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count must be a positive int, got {count!r}")
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if gpu_memory_mb <= 0:
-        raise ValueError(f"gpu_memory_mb must be positive, got {gpu_memory_mb!r}")
-    _quiet()
-    _set_seeds(seed)
-    key = (count, kind)
+    checks.positive_int("count", count)
+    checks.one_of("kind", kind, KINDS)
+    checks.positive_int("gpu_memory_mb", gpu_memory_mb)
+    for name, value in (("intra_op_threads", intra_op_threads),
+                        ("inter_op_threads", inter_op_threads)):
+        if value is not None:
+            checks.positive_int(name, value)
+    key = (count, kind, intra_op_threads, inter_op_threads, gpu_memory_mb)
     if _state.get("key") == key:
         return list(_state["names"])  # type: ignore[arg-type]
     if "key" in _state:
+        old = dict(zip(_KEY_NAMES, _state["key"], strict=True))  # type: ignore[arg-type]
         raise RuntimeError(
-            f"accel.devices.setup was already called with count={_state['key'][0]}, "
-            f"kind={_state['key'][1]!r}; TensorFlow's devices are fixed once it has started, so "
-            f"count={count}, kind={kind!r} needs a fresh process: restart the kernel")
+            f"accel.devices.setup was already called with {old}; TensorFlow's devices and "
+            f"thread pools are fixed once it has started, so "
+            f"{dict(zip(_KEY_NAMES, key, strict=True))} needs a fresh process: restart the kernel")
+    _quiet()
     try:
+        _threads(inter_op_threads, intra_op_threads)
         device_type = _configure(count, kind, gpu_memory_mb)
     except RuntimeError as exc:
-        if "cannot be modified after being initialized" not in str(exc):
+        if "cannot be modified after" not in str(exc) and "after initialization" not in str(exc):
             raise
         device_type = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
-        if len(tf.config.list_logical_devices(device_type)) != count:
+        have = len(tf.config.list_logical_devices(device_type))
+        if have != count or intra_op_threads is not None or inter_op_threads is not None:
             raise RuntimeError(
-                f"TensorFlow is already initialised with "
-                f"{len(tf.config.list_logical_devices(device_type))} {device_type} device(s), so "
-                f"setup(count={count}) cannot take effect: restart the kernel and call "
-                "accel.devices.setup(...) before any other TensorFlow code") from exc
+                f"TensorFlow is already initialised ({have} {device_type} device(s)), so "
+                f"setup(count={count}, intra_op_threads={intra_op_threads}, "
+                f"inter_op_threads={inter_op_threads}) cannot take effect: restart the kernel and "
+                "call accel.devices.setup(...) before any other TensorFlow code") from exc
+    seed_everything(seed)
     names = [d.name for d in tf.config.list_logical_devices(device_type)][:count]
     _state.update(key=key, names=names)
     return list(names)
+
+
+_KEY_NAMES = ("count", "kind", "intra_op_threads", "inter_op_threads", "gpu_memory_mb")
 
 
 # --------------------------------------------------------------------------- device names
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _FIELD = re.compile(
     rf"^(?:job:(?P<job>{_NAME})|replica:(?P<replica>\d+)|task:(?P<task>\d+)"
-    rf"|device:(?P<dtype>{_NAME}):(?P<dindex>\d+|\*)|(?P<short>cpu|gpu|tpu):(?P<sindex>\d+|\*))$",
-    re.IGNORECASE)
+    rf"|device:(?P<dtype>{_NAME}):(?P<dindex>\d+|\*)"
+    rf"|(?P<short>(?i:cpu|gpu|tpu))(?::(?P<sindex>\d+|\*))?)$")
 
 
 def parse_device(name: str) -> tf.DeviceSpec:
     """Parse a device string strictly into a ``tf.DeviceSpec``.
 
-    Accepts every spelling TensorFlow accepts: ``/cpu:0``, ``/GPU:1``, ``/device:GPU:1``,
-    ``/job:worker/replica:0/task:1/device:GPU:0`` and partial forms such as ``/job:ps``.
-    Anything else (``/gpu:x``, ``/job:worker/task:-1``, a field given twice) is a ``ValueError``
-    naming the string, where ``tf.DeviceSpec`` would sometimes accept it silently.
+    Accepts every spelling TensorFlow accepts: ``/cpu:0``, ``/GPU:1``, ``CPU:0`` (no leading
+    slash), ``/device:GPU:1``, ``/job:worker/replica:0/task:1/device:GPU:0`` and partial forms
+    such as ``/job:ps``. Like TensorFlow, the short forms (``cpu:0``, ``gpu:1``, ``tpu:0``) are
+    upper-cased, and ``device:TYPE:N`` keeps TYPE as written except ``cpu`` / ``gpu`` (a
+    pluggable device's type such as ``device:MY_DEVICE:0`` keeps its case). Anything else
+    (``/gpu:x``, ``/job:worker/task:-1``, a field given twice) is a ``ValueError`` naming the
+    string, where ``tf.DeviceSpec`` would sometimes accept it silently.
     """
     if not isinstance(name, str):
         raise ValueError(f"a device name must be a string, got {name!r}")
-    if name == "":
+    if name in ("", "/"):
         return tf.DeviceSpec()
-    if not name.startswith("/"):
-        raise ValueError(f"device name {name!r} must start with '/', e.g. '/cpu:0' or '/job:ps'")
     fields: dict[str, object] = {}
-    for part in name[1:].split("/"):
+    for part in name.removeprefix("/").split("/"):
         m = _FIELD.match(part)
         if m is None:
             raise ValueError(
                 f"device name {name!r}: cannot parse {part!r}; allowed parts are job:NAME, "
-                "replica:N, task:N, device:TYPE:N (or N='*') and cpu:N / gpu:N with N >= 0")
+                "replica:N, task:N, device:TYPE:N (or N='*') and cpu:N / gpu:N / tpu:N with "
+                "N >= 0")
         g = {k: v for k, v in m.groupdict().items() if v is not None}
         if "short" in g:
-            g = {"dtype": g["short"], "dindex": g["sindex"]}
+            g = {"dtype": g["short"].upper(), **({"dindex": g["sindex"]} if "sindex" in g else {})}
+        elif g.get("dtype") in ("cpu", "gpu"):
+            g["dtype"] = g["dtype"].upper()
         for key, value in g.items():
             if key in fields:
                 label = {"dtype": "device", "dindex": "device index"}.get(key, key)
@@ -158,7 +176,7 @@ def parse_device(name: str) -> tf.DeviceSpec:
         job=fields.get("job"),
         replica=int(fields["replica"]) if "replica" in fields else None,
         task=int(fields["task"]) if "task" in fields else None,
-        device_type=str(fields["dtype"]).upper() if "dtype" in fields else None,
+        device_type=fields.get("dtype"),
         device_index=None if index in (None, "*") else int(index),
     )
 
@@ -261,17 +279,13 @@ def fresh_process_devices(env: dict[str, str] | None = None, before_import: str 
     """What a *new* Python process sees: physical and logical devices, and its
     ``CUDA_VISIBLE_DEVICES``. ``env`` is added to this process's environment (as a shell prefix
     would); ``before_import`` / ``after_import`` are code run before / after ``import
-    tensorflow``. Device visibility is decided once per process, hence the fresh interpreter."""
+    tensorflow``. Device visibility is decided once per process, hence the fresh interpreter.
+    A failing child raises ``accel.procs.ChildFailed`` (a ``RuntimeError``)."""
     import json
-    import subprocess
-    import sys
 
-    code = _PROBE.format(before=before_import, after=after_import)
-    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, check=False)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ACCEL_PROBE")), None)
-    if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"the probe process failed (exit {proc.returncode}):\n"
-                           f"{proc.stderr[-2000:]}")
+    out = procs.run_python(_PROBE.format(before=before_import, after=after_import), env=env,
+                           timeout=timeout)
+    line = next((ln for ln in out.splitlines() if ln.startswith("ACCEL_PROBE")), None)
+    if line is None:
+        raise procs.ChildFailed(f"the probe process printed no result:\n{out[-2000:]}")
     return json.loads(line[len("ACCEL_PROBE"):])

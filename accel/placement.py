@@ -7,7 +7,8 @@
 - ``log_placement()``: capture TensorFlow's placement log (C-level output) as a table.
 - ``soft_placement(enabled)``: switch TF2 soft placement for a block, restored on exit.
 - ``by_op_type`` / ``variables_on``: device functions for ``tf.compat.v1.device(fn)``.
-- ``registered_kernels(op_type)``: device type -> dtypes, live from TensorFlow's kernel registry.
+
+Which op *can* run where (the kernel registry) is ``accel.kernels``.
 """
 
 from __future__ import annotations
@@ -26,12 +27,10 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from accel.devices import parse_device
-from accel.kernels import kernel_gaps, registered_kernels
 
 __all__ = [
     "OpPlacement", "Placement", "placement_of", "session_config", "log_placement",
-    "soft_placement", "by_op_type", "variables_on", "registered_kernels", "kernel_gaps",
-    "short_error",
+    "soft_placement", "by_op_type", "variables_on", "short_error", "short_device",
 ]
 
 
@@ -130,13 +129,16 @@ def _from_graph_defs(graph_defs, requested: Mapping[str, str], result) -> Placem
 def placement_of(target, *args, session=None, feed_dict=None, **kwargs) -> Placement:
     """Run ``target`` once and return where each of its ops actually ran.
 
-    * TF2: ``target`` is a ``tf.function`` or a plain callable; it is called as
-      ``target(*args, **kwargs)`` inside a fresh ``tf.function`` (run metadata is only recorded
-      when a function is first instantiated).
+    * TF2: ``target`` is a ``tf.function`` (a fresh copy with the same options, such as
+      ``jit_compile`` and ``input_signature``, is run, because run metadata is only recorded when
+      a function is first instantiated) or a plain callable (wrapped in ``tf.function``); it is
+      called as ``target(*args, **kwargs)``.
     * TF1: pass ``session=sess``; ``target`` is anything ``sess.run`` accepts.
 
     Rows come from the partition graphs TensorFlow executed: after graph optimisation, so an op
     that was folded away is absent, and every cross-device edge shows as a ``_Send``/``_Recv``.
+    A ``jit_compile=True`` function runs as one XLA program and leaves no partition graph: its
+    table is empty (inspect it without ``jit_compile``).
     """
     if session is not None:
         if args or kwargs:
@@ -150,7 +152,9 @@ def placement_of(target, *args, session=None, feed_dict=None, **kwargs) -> Place
     if not callable(target):
         raise ValueError(f"target must be a callable or tf.function (or pass session=), "
                          f"got {type(target).__name__}")
-    fresh = tf.function(getattr(target, "python_function", target))
+    # run metadata is recorded when a function is first instantiated: run a fresh copy, with the
+    # options of the given tf.function (jit_compile, input_signature, ...) if it is one
+    fresh = target._clone(None) if hasattr(target, "_clone") else tf.function(target)  # noqa: SLF001
     concrete = fresh.get_concrete_function(*args, **kwargs)
     requested = {op.name: op.device for op in concrete.graph.get_operations()}
     context.enable_run_metadata()

@@ -1,30 +1,15 @@
-"""The course's plots, and the registry behind ``make images``.
-
-Generic helpers (bars of ratios, curves, timelines) live here; each chapter's figure is a function
-returning a ``matplotlib.figure.Figure``, registered in ``FIGURES`` under the file name it is saved
-as in ``images/``. A chapter shows the same figure by calling the same function.
+"""Generic plots: bars of ratios, curves, timelines, a colour per device. Each chapter's figure
+is built from these by a function of ``accel.course`` (registered for ``make images`` in
+``accel.course.registry``).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-__all__ = ["FIGURES", "save_figures", "bars", "curves", "timeline", "device_colors"]
-
-# file name in images/ -> "module:function" returning a Figure
-FIGURES: dict[str, str] = {
-    "01_devices.png": "accel.diagrams:figure_devices",
-    "01_scale.png": "accel.scale:figure_scale",
-    "02_placement.png": "accel.diagrams:figure_placement",
-    "03_kernels.png": "accel.diagrams:figure_kernels",
-    "04_memory.png": "accel.memory:figure_memory",
-    "05_staleness.png": "accel.parameter_server:figure_staleness",
-    "06_scaling.png": "accel.data_parallel_scaling:figure_scaling",
-}
+__all__ = ["bars", "curves", "timeline", "device_colors"]
 
 _PALETTE = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
@@ -32,24 +17,6 @@ _PALETTE = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#
 def device_colors(names: Sequence[str]) -> dict[str, str]:
     """A stable colour per device name (the same device gets the same colour in every plot)."""
     return {n: _PALETTE[i % len(_PALETTE)] for i, n in enumerate(sorted(set(names)))}
-
-
-def save_figures(out: str | Path = "images", names: Sequence[str] | None = None) -> list[Path]:
-    """Build every registered figure (or just ``names``) and save it under ``out``."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    unknown = sorted(set(names or ()) - set(FIGURES))
-    if unknown:
-        raise ValueError(f"unknown figure(s) {unknown}; registered: {sorted(FIGURES)}")
-    saved = []
-    for name in names or sorted(FIGURES):
-        module, func = FIGURES[name].split(":")
-        fig = getattr(importlib.import_module(module), func)()
-        path = out / name
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        saved.append(path)
-    return saved
 
 
 def bars(values: Mapping[str, float], ylabel: str, title: str = "", ax=None,

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from accel import devices
-from conftest import run_python
+from accel.procs import run_python
 
 HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
 
@@ -34,30 +34,56 @@ def test_setup_with_other_count_after_start_says_restart():
 
 @pytest.mark.parametrize("count", [0, -1, True, 2.0, "4"])
 def test_setup_rejects_bad_count(count):
-    with pytest.raises(ValueError, match="count must be a positive int"):
+    with pytest.raises(ValueError, match=f"count must be an int >= 1, got {count!r}"):
         devices.setup(count)
 
 
-def test_setup_rejects_bad_kind_and_memory():
-    with pytest.raises(ValueError, match="kind must be one of"):
+def test_setup_rejects_bad_kind_memory_and_threads():
+    with pytest.raises(ValueError, match=r"kind must be one of \['auto', 'cpu', 'gpu'\], got 'tpu"):
         devices.setup(4, kind="tpu")
-    with pytest.raises(ValueError, match="gpu_memory_mb must be positive"):
+    with pytest.raises(ValueError, match="gpu_memory_mb must be an int >= 1, got 0"):
         devices.setup(4, gpu_memory_mb=0)
+    with pytest.raises(ValueError, match="intra_op_threads must be an int >= 1, got 0"):
+        devices.setup(4, intra_op_threads=0)
 
 
-def test_setup_sets_seeds_and_silences_logging():
-    devices.setup(4, seed=3)
+def test_setup_with_other_memory_or_threads_after_start_says_restart():
+    for kwargs in ({"gpu_memory_mb": 512}, {"intra_op_threads": 1}):
+        with pytest.raises(RuntimeError, match="restart the kernel"):
+            devices.setup(4, **kwargs)
+
+
+def test_seed_everything_and_quiet_logging():
+    devices.seed_everything(3)
     first = (np.random.rand(), float(tf.random.uniform(())))
-    devices.setup(4, seed=3)
+    devices.seed_everything(3)
     second = (np.random.rand(), float(tf.random.uniform(())))
     assert first == second
     assert tf.get_logger().level == logging.ERROR
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        devices.seed_everything(-1)
 
 
+@pytest.mark.skipif(HAS_GPU, reason="names logical CPUs")
 @pytest.mark.slow
-def test_setup_in_a_fresh_process_with_other_counts():
-    out = run_python("from accel import devices; print(devices.setup(2)); print(devices.setup(2))")
-    assert out.splitlines() == ["['/device:CPU:0', '/device:CPU:1']"] * 2 or HAS_GPU
+def test_setup_in_a_fresh_process_with_other_counts_and_threads():
+    out = run_python(
+        "import numpy as np, tensorflow as tf\n"
+        "from accel import devices\n"
+        "print(devices.setup(2, intra_op_threads=1, inter_op_threads=3))\n"
+        "a = np.random.rand()\n"
+        "print(devices.setup(2, intra_op_threads=1, inter_op_threads=3))\n"
+        "print(a != np.random.rand())\n"  # a repeated call does not reseed
+        "print(tf.config.threading.get_intra_op_parallelism_threads(),\n"
+        "      tf.config.threading.get_inter_op_parallelism_threads())\n"
+        "try:\n"
+        "    devices.setup(2, intra_op_threads=2)\n"
+        "except RuntimeError as e:\n"
+        "    print('RuntimeError', e)\n")
+    lines = out.splitlines()
+    assert lines[:4] == ["['/device:CPU:0', '/device:CPU:1']"] * 2 + ["True", "1 3"]
+    assert lines[4].startswith("RuntimeError") and "restart the kernel" in lines[4]
+    assert "'intra_op_threads': 1" in lines[4] and "'intra_op_threads': 2" in lines[4]
 
 
 @pytest.mark.slow
@@ -98,9 +124,17 @@ def test_setup_gpu_kind_without_gpu_is_a_clear_error():
     ("/job:ps", "/job:ps"),
     ("/job:ps/task:0/cpu:0", "/job:ps/task:0/device:CPU:0"),
     ("", ""),
+    ("CPU:0", "/device:CPU:0"),
+    ("cpu:1", "/device:CPU:1"),
+    ("/tpu:0", "/device:TPU:0"),
+    ("/device:MY_DEVICE:0", "/device:MY_DEVICE:0"),
+    ("/device:my_device:2", "/device:my_device:2"),
+    ("/device:Gpu:0", "/device:Gpu:0"),
 ])
 def test_normalize_device(name, expected):
     assert devices.normalize_device(name) == expected
+    # TensorFlow's own parser agrees (it is lenient where parse_device is strict, not here)
+    assert tf.DeviceSpec.from_string(name).to_string() == expected
 
 
 def test_parse_device_fields():
@@ -110,8 +144,9 @@ def test_parse_device_fields():
     assert isinstance(spec, tf.DeviceSpec)
 
 
-@pytest.mark.parametrize("bad", ["/gpu:x", "/job:worker/task:-1", "cpu:0", "/cpu:0/gpu:1",
-                                 "/job:a/job:b", "/replica:-2", "/job:9bad", "/device:GPU"])
+@pytest.mark.parametrize("bad", ["/gpu:x", "/job:worker/task:-1", "/cpu:0/gpu:1",
+                                 "/job:a/job:b", "/replica:-2", "/job:9bad", "/device:GPU",
+                                 "/JOB:ps"])
 def test_parse_device_rejects_bad_names(bad):
     with pytest.raises(ValueError) as err:
         devices.parse_device(bad)
@@ -119,7 +154,7 @@ def test_parse_device_rejects_bad_names(bad):
 
 
 def test_parse_device_rejects_non_strings():
-    with pytest.raises(ValueError, match="must be a string"):
+    with pytest.raises(ValueError, match="a device name must be a string, got 3"):
         devices.parse_device(3)
 
 
@@ -129,7 +164,7 @@ def test_merge_devices_inner_wins():
     assert devices.merge_devices("/job:worker/task:1/cpu:0", "/gpu:2") == (
         "/job:worker/task:1/device:GPU:2")
     assert devices.merge_devices("/job:ps/cpu:0", "/job:worker") == "/job:worker/device:CPU:0"
-    with pytest.raises(ValueError, match="gpu:x"):
+    with pytest.raises(ValueError, match="device name '/gpu:x': cannot parse 'gpu:x'"):
         devices.merge_devices("/job:ps", "/gpu:x")
 
 
@@ -172,5 +207,5 @@ def test_fresh_process_devices_sees_its_environment():
 
 @pytest.mark.slow
 def test_fresh_process_devices_reports_a_failing_child():
-    with pytest.raises(RuntimeError, match="probe process failed"):
+    with pytest.raises(RuntimeError, match="exit 3"):
         devices.fresh_process_devices(before_import="raise SystemExit(3)")

@@ -92,8 +92,26 @@ def test_placement_table_queries():
         real.count_table([])
 
 
+def test_placement_of_keeps_the_functions_options():
+    """A tf.function's own options (input_signature, jit_compile) survive placement_of."""
+    sig = tf.function(lambda x: x * 2.0, input_signature=[tf.TensorSpec([None], tf.float32)])
+    table = placement.placement_of(sig, tf.ones((3,)))
+    np.testing.assert_allclose(table.result.numpy(), [2.0, 2.0, 2.0])
+    with pytest.raises(TypeError):  # the signature still refuses an int tensor
+        placement.placement_of(sig, tf.ones((3,), tf.int32))
+    # jit_compile=True is kept: XLA runs the function as one program, which leaves no
+    # partition graph behind (a re-wrapped plain function would list its Sin and Mul)
+    xla = tf.function(lambda x: tf.math.sin(x) * 2.0, jit_compile=True)
+    table = placement.placement_of(xla, tf.ones((3,)))
+    assert table.rows == []
+    np.testing.assert_allclose(table.result.numpy(), [2 * np.sin(1.0)] * 3, rtol=1e-6)
+    plain = {r.op_type for r in placement.placement_of(lambda x: tf.math.sin(x) * 2.0,
+                                                       tf.ones((3,)))}
+    assert "Sin" in plain and not any("Xla" in t for t in plain)
+
+
 def test_placement_of_rejects_bad_targets():
-    with pytest.raises(ValueError, match="callable"):
+    with pytest.raises(ValueError, match="target must be a callable or tf.function .* got int"):
         placement.placement_of(42)
     with tf.compat.v1.Session(graph=tf.Graph(), config=placement.session_config()) as sess:
         with pytest.raises(ValueError, match="feed_dict"):
@@ -225,31 +243,6 @@ def test_device_functions_validate_names_early():
     with pytest.raises(RuntimeError, match="does not support functions"):
         with tf.device(placement.variables_on("/cpu:0", "/cpu:1")):
             pass
-
-
-# ----------------------------------------------------------------------------- kernels
-def test_registered_kernels_knows_the_int32_gap():
-    variable = placement.registered_kernels("VariableV2")
-    assert variable["CPU"] == ["any"]
-    assert "float32" in variable["GPU"] and "int32" not in variable["GPU"]
-    matmul = placement.registered_kernels("MatMul")
-    assert "uint8" not in matmul["CPU"] and "float32" in matmul["CPU"]
-    assert "GPU" not in placement.registered_kernels("StringJoin")
-    with pytest.raises(ValueError, match="unknown op type 'NoSuchOp'"):
-        placement.registered_kernels("NoSuchOp")
-
-
-def test_kernel_gaps():
-    def fn(tokens, weights):
-        label = tf.strings.join(["a", "b"], name="label")
-        return label, tf.matmul(tokens, tokens, name="bytes"), tf.matmul(weights, weights)
-
-    args = (tf.ones((2, 2), tf.uint8), tf.ones((2, 2)))
-    gpu = placement.kernel_gaps(fn, *args, device_type="GPU")
-    cpu = placement.kernel_gaps(fn, *args, device_type="CPU")
-    assert ("label", "StringJoin", "any") in gpu
-    assert ("bytes", "MatMul", "uint8") in gpu
-    assert cpu == [("bytes", "MatMul", "uint8")]
 
 
 def test_short_error_is_reproducible():

@@ -1,4 +1,5 @@
-"""Shared plumbing: accel.timing, accel.data, accel.models, accel.viz, accel.bench and the CLI."""
+"""Shared plumbing: accel.checks, procs, timing, data, models, training, viz; the course registry
+and the CLI."""
 
 import matplotlib
 import numpy as np
@@ -6,7 +7,8 @@ import pytest
 import tensorflow as tf
 
 from accel import __main__ as cli
-from accel import bench, data, models, timing, viz
+from accel import checks, data, models, procs, timing, training, viz
+from accel.course import registry
 
 matplotlib.use("Agg")
 
@@ -72,19 +74,22 @@ def test_viz_helpers_and_registry(tmp_path):
         viz.timeline([("dev0", 1, 0, "F0")])
     with pytest.raises(ValueError, match="baseline 'z'"):
         viz.bars({"a": 1.0}, "x", baseline="z")
-    saved = viz.save_figures(tmp_path, ["02_placement.png", "03_kernels.png", "01_devices.png"])
+    saved = registry.save_figures(tmp_path, ["02_placement.png", "03_kernels.png",
+                                              "01_devices.png"])
     assert all(p.exists() and p.stat().st_size > 1000 for p in saved)
-    with pytest.raises(ValueError, match="unknown figure"):
-        viz.save_figures(tmp_path, ["99_nope.png"])
+    with pytest.raises(ValueError, match=r"unknown figure\(s\) \['99_nope.png'\]"):
+        registry.save_figures(tmp_path, ["99_nope.png"])
 
 
 def test_bench_registry_and_cli(capsys):
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
-        bench.get("nope")
-    assert callable(bench.get("copy-cost"))
+        registry.get("nope")
+    assert callable(registry.get("copy-cost"))
     assert cli.main(["bench", "--list"]) == 0
-    listed = capsys.readouterr().out
-    assert all(name in listed for name in bench.BENCHMARKS)
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split("\t")[0] for line in listed] == sorted(registry.BENCHMARKS)
+    assert all(line.split("\t")[1] == registry.BENCHMARKS[line.split("\t")[0]][1]
+               for line in listed)
     assert cli.main(["devices"]) == 0
     assert "/device:" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
@@ -95,7 +100,7 @@ def test_bench_registry_and_cli(capsys):
 def test_every_registered_figure_and_benchmark_resolves():
     import importlib
 
-    for target in [*viz.FIGURES.values(), *(t for t, _ in bench.BENCHMARKS.values())]:
+    for target in [*registry.FIGURES.values(), *(t for t, _ in registry.BENCHMARKS.values())]:
         module, func = target.split(":")
         assert callable(getattr(importlib.import_module(module), func)), target
 
@@ -121,9 +126,52 @@ def test_max_difference():
 
 
 def test_import_accel_turns_onednn_off_unless_set():
-    from conftest import run_python
-
+    run_python = procs.run_python
     show = "import accel; import os; print(os.environ['TF_ENABLE_ONEDNN_OPTS'])"
     unset = "import os; os.environ.pop('TF_ENABLE_ONEDNN_OPTS', None); "
     assert run_python(unset + show).split()[-1] == "0"
     assert run_python(show, env={"TF_ENABLE_ONEDNN_OPTS": "1"}).split()[-1] == "1"
+
+
+def test_checks_name_the_value():
+    assert checks.positive_int("steps", 3) == 3
+    for bad in (0, -1, 2.5, True, "3"):
+        with pytest.raises(ValueError, match=rf"steps must be an int >= 1, got {bad!r}"):
+            checks.positive_int("steps", bad)
+    assert checks.non_negative_int("k", 0) == 0
+    assert checks.positive_number("lr", np.float32(0.5)) == 0.5
+    with pytest.raises(ValueError, match="lr must be a number > 0, got 0"):
+        checks.positive_number("lr", 0)
+    with pytest.raises(ValueError, match=r"mode must be one of \['a', 'b'\], got 'c'"):
+        checks.one_of("mode", "c", ("b", "a"))
+    assert checks.learning_rate(np.float32(0.1)) == pytest.approx(0.1)
+    assert checks.learning_rate(tf.keras.optimizers.SGD(0.1)) is None
+    for bad in (True, 0.0, -1):
+        with pytest.raises(ValueError, match="a learning rate must be a number > 0"):
+            checks.learning_rate(bad)
+
+
+def test_make_update_accepts_numpy_rates_and_refuses_the_rest():
+    v = tf.Variable([1.0, 2.0])
+    training.make_update(np.float32(0.5), [v])([(tf.constant([2.0, 2.0]), v)])
+    np.testing.assert_allclose(v.numpy(), [0.0, 1.0])  # 1 - 0.5*2, 2 - 0.5*2
+    training.make_update(1, [v])([(None, v)])  # a None gradient is skipped
+    np.testing.assert_allclose(v.numpy(), [0.0, 1.0])
+    with pytest.raises(ValueError, match="a learning rate must be a number > 0, got True"):
+        training.make_update(True, [v])
+    with pytest.raises(ValueError, match="must be a learning rate .* got str"):
+        training.make_update("fast", [v])
+    np.testing.assert_allclose(training.squared_error(tf.constant([[1.0, 2.0], [0.0, 0.0]]),
+                                                      tf.constant([[0.0, 0.0], [0.0, 3.0]])),
+                               [2.5, 4.5])  # (1 + 4) / 2, 9 / 2
+
+
+def test_run_python_returns_stdout_and_reports_failures_and_timeouts():
+    assert procs.run_python("print(6 * 7)").strip() == "42"
+    assert procs.run_python("import os; print(os.environ['X'])", env={"X": "y"}).strip() == "y"
+    with pytest.raises(procs.ChildFailed, match=r"exit 3"):
+        procs.run_python("import sys; sys.exit(3)")
+    with pytest.raises(procs.ChildFailed, match="ran past its 0.5 s timeout"):
+        procs.run_python("import time; time.sleep(30)", timeout=0.5)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        procs.run_python("pass", timeout=0)

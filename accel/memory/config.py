@@ -12,16 +12,13 @@ the first op (``set_visible_devices``, ``set_memory_growth``, logical devices wi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
 
 __all__ = ["tf1_config", "tf1_config_fields", "GpuMemoryPlan", "gpu_memory_plan",
-           "apply_gpu_memory_plan", "run_fresh", "MATMUL_CODE", "matmul_seconds_with_threads"]
+           "apply_gpu_memory_plan"]
 
 _FIELDS = ("allow_growth", "memory_fraction", "visible_devices", "inter_op_threads",
            "intra_op_threads", "use_per_session_threads")
@@ -143,6 +140,9 @@ def apply_gpu_memory_plan(plan: GpuMemoryPlan, gpus: Sequence | None = None) -> 
     device, TensorFlow itself raises ``ValueError``: these options exist for GPUs only.
     """
     gpus = list(tf.config.list_physical_devices("GPU") if gpus is None else gpus)
+    if plan.visible is not None and any(i >= len(gpus) for i in plan.visible):
+        raise ValueError(f"visible={list(plan.visible)} names a GPU index that does not exist: "
+                         f"this process has {len(gpus)} GPU(s)")
     if plan.visible is not None:
         tf.config.set_visible_devices([gpus[i] for i in plan.visible], "GPU")
         gpus = [gpus[i] for i in plan.visible]
@@ -154,37 +154,3 @@ def apply_gpu_memory_plan(plan: GpuMemoryPlan, gpus: Sequence | None = None) -> 
                 gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=m)
                       for m in plan.memory_limits_mb])
     return plan.calls() if gpus else []
-
-
-def run_fresh(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> str:
-    """Run ``code`` in a fresh Python (its own TensorFlow start-up) and return its stdout; what
-    must happen before TensorFlow initialises can be shown this way from a running notebook."""
-    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the child Python failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return proc.stdout
-
-
-MATMUL_CODE = """
-import time, tensorflow as tf
-tf.config.threading.set_intra_op_parallelism_threads({threads})
-x = tf.random.normal(({n}, {n}))
-tf.matmul(x, x).numpy()
-times = []
-for _ in range({repeat}):
-    t = time.perf_counter(); tf.matmul(x, x).numpy(); times.append(time.perf_counter() - t)
-print(sorted(times)[len(times) // 2], tf.config.threading.get_intra_op_parallelism_threads())
-"""
-
-
-def matmul_seconds_with_threads(threads: int, n: int = 1024, repeat: int = 5) -> float:
-    """Median seconds of an ``n`` x ``n`` float32 matmul in a fresh process whose intra-op pool
-    has ``threads`` threads (the pool is fixed at start-up, hence one process per setting)."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
-    seconds, used = run_fresh(MATMUL_CODE.format(threads=threads, n=n, repeat=repeat)).split()
-    if int(used) != threads:
-        raise RuntimeError(f"the child ran with {used} intra-op threads, not {threads}")
-    return float(seconds)

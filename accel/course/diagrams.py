@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 
 from accel.devices import device_table
-from accel.placement import Placement, registered_kernels
+from accel.kernels import registered_kernels
+from accel.placement import Placement, placement_of
 from accel.viz import device_colors
 
 __all__ = ["figure_devices", "figure_placement", "figure_kernels", "demo_placement",
@@ -49,8 +50,6 @@ def demo_placement() -> Placement:
     one constant by Grappler before placement, and the requested devices disappear with it.
     """
     import tensorflow as tf
-
-    from accel.placement import placement_of
 
     @tf.function
     def program(x, y):

@@ -7,7 +7,7 @@
 * ``measure_conv_workspace``: the scratch this machine's convolution kernels take.
 
 On CPU the allocator reports only when ``TF_CPU_ALLOCATOR_USE_BFC=true`` was set before
-TensorFlow was imported (see ``accel.memory``). All are re-exported by ``accel.memory``.
+TensorFlow was imported (see ``accel.memory.estimate``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from accel.memory import POLICIES, _check, _nbytes, tensor_bytes
+from accel import checks
+from accel.memory.estimate import POLICIES, nbytes, tensor_bytes
 
 __all__ = ["memory_device", "peak_during", "tape_kept_tensors", "tape_kept_bytes",
            "measure_step_peak", "measure_conv_workspace"]
@@ -80,7 +81,7 @@ def tape_kept_tensors(model, x) -> list[tuple[str, tuple, str]]:
 
 def tape_kept_bytes(model, x) -> int:
     """Bytes of ``tape_kept_tensors(model, x)``: the activations one training step keeps."""
-    return sum(_nbytes(shape, dtype) for _, shape, dtype in tape_kept_tensors(model, x))
+    return sum(nbytes(shape, dtype) for _, shape, dtype in tape_kept_tensors(model, x))
 
 
 def measure_step_peak(model, optimizer, x, y, loss_fn) -> int:
@@ -112,12 +113,11 @@ def measure_conv_workspace(model, batch_size: int, policy: str = "float32") -> i
 
     Why measure: the scratch belongs to the kernel library, not to the model. TensorFlow's Eigen
     kernels take ~``CPU_CONV_WORKSPACE`` whatever the shapes; oneDNN (TensorFlow's default on
-    CPUs with AVX-512) and cuDNN size theirs by shape and algorithm. Needs memory statistics
-    (on CPU: ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts).
+    CPUs with AVX-512 VNNI / BF16 or AMX) and cuDNN size theirs by shape and algorithm. Needs
+    memory statistics (on CPU: ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    _check("policy", policy, POLICIES)
+    checks.positive_int("batch_size", batch_size)
+    checks.one_of("policy", policy, POLICIES)
     compute = POLICIES[policy][1]
     device = memory_device()
     workspace = 0

@@ -1,5 +1,5 @@
-"""How data parallelism scales: measured (towers vs MirroredStrategy vs one device), modelled
-(compute + gradient exchange), and the batch-size side (the linear scaling rule).
+"""Chapter 06's experiments: how data parallelism scales, measured (towers vs MirroredStrategy vs
+one device), and the batch-size side (the linear scaling rule tried on a toy problem).
 
 * ``timed_steps(n, ...)``: the three training steps for ``n`` devices, ready to time;
 * ``measure_scaling(counts)``: step time and examples/s for 1, 2, 4 devices, by hand and with
@@ -7,8 +7,9 @@
 * ``format_scaling(results)``: that as a table of step times and ratios;
 * ``bench_towers()``: the ``python -m accel bench towers`` report (ratios for 2 and 4 devices);
 * ``figure_scaling(results)``: the plot of ``measure_scaling`` (``images/06_scaling.png``);
-* ``step_time_model(...)``: a cost model of one synchronous step on ``n`` real accelerators;
-* ``scaled_learning_rate`` / ``final_loss``: the linear scaling rule and a way to try it.
+* ``final_loss``: the loss a batch size and learning rate reach (the linear scaling rule tried).
+
+The cost model of a step on real accelerators is ``accel.costmodel.steps``.
 """
 
 from __future__ import annotations
@@ -18,23 +19,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from accel import data, devices, models, timing
-from accel.data_parallel import (
-    make_mirrored_step,
-    make_single_step,
-    make_tower_step,
-    mirrored_strategy,
-    split_batch,
-    squared_error,
-)
+from accel import checks, data, devices, models, timing
+from accel.parallel.data import make_single_step, make_tower_step, split_batch
+from accel.parallel.mirrored import make_mirrored_step, mirrored_strategy
+from accel.training import squared_error
 
-__all__ = ["BENCH_SIZES", "SCHEMES", "timed_steps", "measure_scaling", "format_scaling",
-           "bench_towers", "figure_scaling",
-           "step_time_model", "scaled_learning_rate", "final_loss"]
+__all__ = ["BENCH_SIZES", "timed_steps", "measure_scaling", "format_scaling", "bench_towers",
+           "figure_scaling", "final_loss"]
 
 BENCH_SIZES = (128, 512, 512, 16)  # MLP layer widths used for timing
 VARIANTS = ("single", "towers", "mirrored")
-SCHEMES = ("ring", "one_device", "host")
 
 
 def timed_steps(n: int, device_names: Sequence[str], per_device_batch: int = 256,
@@ -84,9 +78,9 @@ def _median_times(steps: dict, rounds: int, repeat: int) -> dict:
     return {k: float(np.median(v)) for k, v in samples.items()}
 
 
-def measure_scaling(counts: Sequence[int] = (1, 2, 4), per_device_batch: int = 256,
-                    sizes: Sequence[int] = BENCH_SIZES, rounds: int = 3,
-                    repeat: int = 5) -> dict:
+def measure_scaling(device_names: Sequence[str], counts: Sequence[int] = (1, 2, 4),
+                    per_device_batch: int = 256, sizes: Sequence[int] = BENCH_SIZES,
+                    rounds: int = 3, repeat: int = 5) -> dict:
     """Median step time (s) of each variant for each device count, and examples per second.
 
     Weak scaling: every device gets ``per_device_batch`` examples, so the global batch grows
@@ -94,9 +88,8 @@ def measure_scaling(counts: Sequence[int] = (1, 2, 4), per_device_batch: int = 2
     ``{"counts": [...], "per_device_batch": b, "step_s": {variant: [...]},
     "examples_per_s": {variant: [...]}}``.
     """
-    names = devices.setup(max(4, *counts))
     steps = {(v, n): fn for n in counts
-             for v, fn in timed_steps(n, names, per_device_batch, sizes).items()}
+             for v, fn in timed_steps(n, device_names, per_device_batch, sizes).items()}
     times = _median_times(steps, rounds, repeat)
     step_s = {v: [times[(v, n)] for n in counts] for v in VARIANTS}
     eps = {v: [n * per_device_batch / t for n, t in zip(counts, ts, strict=True)]
@@ -121,11 +114,13 @@ def format_scaling(res: dict) -> str:
     return "\n".join(lines)
 
 
-def bench_towers(counts: Sequence[int] = (2, 4), per_device_batch: int = 256) -> dict:
+def bench_towers(device_names: Sequence[str], quick: bool = False,
+                 counts: Sequence[int] = (2, 4), per_device_batch: int = 256) -> dict:
     """Step time of hand-written towers vs MirroredStrategy vs one device, for 2 and 4 devices,
     as ratios measured in one run. Prints a table and returns ``{"<variant>_<n>": seconds,
     "towers/mirrored_<n>": ratio, "towers/single_<n>": ratio}``."""
-    res = measure_scaling(counts, per_device_batch)
+    res = measure_scaling(device_names, counts, 16 if quick else per_device_batch,
+                          rounds=1 if quick else 3, repeat=1 if quick else 5)
     out: dict[str, float] = {}
     lines = [f"global batch = n x {per_device_batch}; MLP {list(BENCH_SIZES)}; median step time",
              f"{'devices':>7}  {'single':>9}  {'towers':>9}  {'mirrored':>9}  "
@@ -150,7 +145,7 @@ def figure_scaling(results: dict | None = None):
     (``results`` from ``measure_scaling``; measured now when omitted)."""
     import matplotlib.pyplot as plt
 
-    res = results if results is not None else measure_scaling()
+    res = results if results is not None else measure_scaling(devices.setup(4))
     counts = res["counts"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
     for v, style in (("towers", "o-"), ("mirrored", "s--")):
@@ -170,49 +165,14 @@ def figure_scaling(results: dict | None = None):
     return fig
 
 
-def step_time_model(n: int, compute_s: float, gradient_bytes: float, bandwidth_bps: float,
-                    scheme: str = "ring", latency_s: float = 0.0) -> float:
-    """Modelled time of one synchronous step on ``n`` real accelerators (no overlap of
-    communication with compute). A MODEL, not a measurement.
-
-    ``compute_s``: forward + backward of one device's batch. Gradient exchange of
-    ``gradient_bytes`` over links of ``bandwidth_bps`` bytes/s:
-
-    * ``"ring"`` (all-reduce, e.g. NCCL): each device sends and receives ``2 (n-1)/n`` times the
-      gradients, in ``2 (n-1)`` latency-bound steps;
-    * ``"one_device"`` (the towers recipe with the variables on one of the ``n`` accelerators:
-      reduce there, then send the new weights back): that device's link carries ``2 (n-1)``
-      copies of the gradients' size;
-    * ``"host"`` (the classic recipe with the variables on the host CPU): all ``n`` accelerators
-      fetch the weights from it and send their gradients to it, ``2 n`` copies over the host's
-      link, so even one accelerator pays for the exchange.
-    """
-    if n < 1 or compute_s < 0 or gradient_bytes < 0 or bandwidth_bps <= 0 or latency_s < 0:
-        raise ValueError(f"need n >= 1, times and bytes >= 0, bandwidth > 0; got {n=}, "
-                         f"{compute_s=}, {gradient_bytes=}, {bandwidth_bps=}, {latency_s=}")
-    if scheme == "ring":
-        return compute_s + 2 * (n - 1) / n * gradient_bytes / bandwidth_bps \
-            + 2 * (n - 1) * latency_s
-    if scheme == "one_device":
-        return compute_s + 2 * (n - 1) * (gradient_bytes / bandwidth_bps + latency_s)
-    if scheme == "host":
-        return compute_s + 2 * n * (gradient_bytes / bandwidth_bps + latency_s)
-    raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-
-
-def scaled_learning_rate(base_lr: float, base_batch: int, global_batch: int) -> float:
-    """The linear scaling rule (Goyal et al. 2017): when the batch grows k times, multiply the
-    learning rate by k (with a warm-up for large k)."""
-    if base_lr <= 0 or base_batch < 1 or global_batch < 1:
-        raise ValueError(f"need base_lr > 0 and batch sizes >= 1, got {base_lr=}, "
-                         f"{base_batch=}, {global_batch=}")
-    return base_lr * global_batch / base_batch
-
-
 def final_loss(batch_size: int, lr: float, epochs: int = 2, n: int = 1024,
                sizes: Sequence[int] = (8, 16, 1), device: str = "/device:CPU:0") -> float:
     """Full-data mean squared error after ``epochs`` of plain SGD with ``batch_size`` and ``lr``
     on ``data.regression(n)`` (same data, same initial weights for every call)."""
+    checks.positive_int("n", n)
+    if checks.positive_int("batch_size", batch_size) > n:
+        raise ValueError(f"batch_size {batch_size} is larger than the data set (n={n}): "
+                         "not one step would run")
     x, y, _ = data.regression(n, sizes[0], sizes[-1], seed=0)
     step = make_single_step(models.mlp_apply, squared_error, models.mlp_init(list(sizes)),
                             lr, device)

@@ -5,7 +5,7 @@
 * ``make_mirrored_step(strategy, model, loss_fn, optimizer, global_batch_size)``: a custom-loop
   training step, the loss scaled by the *global* batch size.
 
-Both are re-exported by ``accel.data_parallel``.
+The hand-written version of the same step is ``accel.parallel.data.make_tower_step``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
+from accel import checks
 from accel.devices import parse_device
 
 __all__ = ["mirrored_strategy", "make_mirrored_step"]
@@ -53,8 +54,7 @@ def make_mirrored_step(strategy: tf.distribute.Strategy, model: tf.keras.Model,
     Every batch must have ``global_batch_size`` examples (batch with ``drop_remainder=True``):
     a shorter last batch would be divided by the wrong size.
     """
-    if global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+    checks.positive_int("global_batch_size", global_batch_size)
 
     def replica_step(x, y):
         with tf.GradientTape() as tape:

@@ -6,7 +6,7 @@ keeps every block's hidden activations for the backward pass; ``tf.recompute_gra
 each block's input and recomputes the rest during the backward pass (less memory, one more
 forward). Half-precision compute halves the activations; on a CPU without native float16 /
 bfloat16 arithmetic it costs time instead of saving it. Peaks need the BFC allocator on CPU
-(see ``accel.memory``).
+(see ``accel.memory.estimate``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import json
 import numpy as np
 import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
 
-from accel import memory
-from accel.timing import format_ratios, time_fn
+from accel import checks, procs
+from accel.memory.estimate import MIB
+from accel.memory.measure import memory_device, peak_during
+from accel.timing import time_fn
 
 __all__ = ["VARIANTS", "residual_mlp", "gradient_step", "measure_variants",
-           "measure_variants_anywhere", "bench_memory", "figure_memory"]
+           "measure_variants_anywhere", "ratios"]
 
 # variant -> (compute dtype, recompute?)
 VARIANTS: dict[str, tuple[str, bool]] = {
@@ -33,8 +35,8 @@ VARIANTS: dict[str, tuple[str, bool]] = {
 
 def residual_mlp(blocks: int = 8, width: int = 64, seed: int = 0) -> list[tuple]:
     """``blocks`` pairs of float32 variables ``(w1: width x 4 width, w2: 4 width x width)``."""
-    if blocks < 1 or width < 1:
-        raise ValueError(f"blocks and width must be >= 1, got {blocks=}, {width=}")
+    checks.positive_int("blocks", blocks)
+    checks.positive_int("width", width)
     rng = np.random.default_rng(seed)
     return [(tf.Variable(rng.normal(0, width**-0.5, (width, 4 * width)).astype(np.float32)),
              tf.Variable(rng.normal(0, (4 * width)**-0.5, (4 * width, width)).astype(np.float32)))
@@ -49,8 +51,7 @@ def _block(w1, w2, dtype):
 
 def gradient_step(params, x, variant: str = "plain") -> list[tf.Tensor]:
     """Gradients of a mean-square loss of the residual MLP on ``x`` (one ``VARIANTS`` entry)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    checks.one_of("variant", variant, VARIANTS)
     dtype, recompute = VARIANTS[variant]
     with tf.GradientTape() as tape:
         h = tf.cast(x, dtype)
@@ -72,14 +73,14 @@ def measure_variants(batch: int = 512, blocks: int = 8, width: int = 64, repeat:
         def run(name=name):
             return gradient_step(params, x, name)[0].numpy()
         run()
-        peak, _ = memory.peak_during(run, memory.memory_device())
-        out[name] = {"peak_mib": peak / memory.MIB, "seconds": time_fn(run, repeat=repeat)}
+        peak, _ = peak_during(run, memory_device())
+        out[name] = {"peak_mib": peak / MIB, "seconds": time_fn(run, repeat=repeat)}
     return out
 
 
 def _stats_available() -> bool:
     try:
-        tf.config.experimental.get_memory_info(memory.memory_device())
+        tf.config.experimental.get_memory_info(memory_device())
     except ValueError:
         return False
     return True
@@ -90,54 +91,13 @@ def measure_variants_anywhere(**kwargs) -> dict[str, dict[str, float]]:
     Python started with ``TF_CPU_ALLOCATOR_USE_BFC=true`` (e.g. from ``python -m accel``)."""
     if _stats_available():
         return measure_variants(**kwargs)
-    from accel.memory_config import run_fresh
-
-    code = ("import json\nfrom accel import memory_savings as s\n"
+    code = ("import json\nfrom accel.memory import savings as s\n"
             f"print(json.dumps(s.measure_variants(**{kwargs!r})))")
-    out = run_fresh(code, env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
+    out = procs.run_python(code, env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _ratios(results: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+def ratios(results: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """``measure_variants``' results divided by the ``"plain"`` variant's (memory and time)."""
     base = results["plain"]
     return {k: {m: v[m] / base[m] for m in v} for k, v in results.items()}
-
-
-def bench_memory() -> dict:
-    """Peak memory and step time: plain vs recompute vs mixed precision (ratios vs plain)."""
-    results = measure_variants_anywhere(batch=1024, blocks=16, width=64, repeat=7)
-    ratios = _ratios(results)
-    print(format_ratios({k: v["seconds"] for k, v in results.items()}, "plain"))
-    for name, r in ratios.items():
-        print(f"{name:10s} peak {results[name]['peak_mib']:7.2f} MiB  {r['peak_mib']:5.2f}x plain")
-    return {"results": results, "ratios": ratios}
-
-
-def figure_memory(results: dict[str, dict[str, float]] | None = None):
-    """Memory breakdown of a small MLP under three optimizers (left) and the measured memory and
-    time ratios of recomputation and mixed precision (right)."""
-    import matplotlib.pyplot as plt
-
-    model = tf.keras.Sequential([tf.keras.Input((512,)), tf.keras.layers.Dense(512, "relu"),
-                                 tf.keras.layers.Dense(512, "relu"), tf.keras.layers.Dense(10)])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
-    bottom = np.zeros(3)
-    names = list(memory.OPTIMIZERS)
-    parts = [memory.estimate_training_memory(model, o, batch_size=256).as_dict() for o in names]
-    for part in ("weights", "gradients", "optimizer_slots", "activations", "workspace", "batch"):
-        vals = np.array([p[part] / memory.MIB for p in parts])
-        left.bar(names, vals, bottom=bottom, label=part)
-        bottom += vals
-    left.set_ylabel("MiB (estimate)")
-    left.set_title("MLP 512-512-512-10, batch 256")
-    left.legend(fontsize=7)
-    ratios = _ratios(results or measure_variants_anywhere(repeat=3))
-    xs = np.arange(len(ratios))
-    right.bar(xs - 0.2, [r["peak_mib"] for r in ratios.values()], 0.4, label="peak memory")
-    right.bar(xs + 0.2, [r["seconds"] for r in ratios.values()], 0.4, label="step time")
-    right.axhline(1.0, color="grey", lw=0.8, ls="--")
-    right.set_xticks(xs, list(ratios))
-    right.set_ylabel("ratio to plain (measured, CPU)")
-    right.legend(fontsize=7)
-    fig.tight_layout()
-    return fig

@@ -1,11 +1,15 @@
-"""accel.memory, accel.memory_config, accel.memory_savings: estimates against real tensors,
-config builders, recomputation and mixed precision giving the same gradients."""
+"""accel.memory.estimate / measure / config / savings: estimates against hand counts and real
+tensors, config builders, recomputation and mixed precision giving the same gradients."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from accel import memory, memory_config, memory_savings
+from accel import timing
+from accel.memory import config as memory_config
+from accel.memory import estimate as memory
+from accel.memory import measure
+from accel.memory import savings as memory_savings
 
 L = tf.keras.layers
 
@@ -32,6 +36,23 @@ def _wide(policy="float32"):
 MODELS = {"mlp": (_mlp, (512,), 256), "cnn": (_cnn, (32, 32, 3), 64), "wide": (_wide, (784,), 128)}
 
 
+def test_tensor_bytes_and_weights_against_hand_counts():
+    # float32 3x4 (48 B) + float16 5 (10 B) + int64 2x2 (32 B) + bool 7 (7 B)
+    tensors = [tf.zeros((3, 4)), tf.zeros((5,), tf.float16), tf.zeros((2, 2), tf.int64),
+               tf.zeros((7,), tf.bool)]
+    assert memory.tensor_bytes(tensors) == 48 + 10 + 32 + 7
+    assert memory.tensor_bytes([tf.Variable(tf.zeros((10, 10)))]) == 400
+    assert memory.nbytes((2, 3, 4), "bfloat16") == 48
+    # MLP 512-512-512-10: (512*512 + 512) * 2 + 512*10 + 10 = 530,442 parameters, 4 bytes each
+    est = memory.estimate_training_memory(_mlp(), "adam")
+    assert est.weights == est.gradients == 530_442 * 4
+    assert est.optimizer_slots == 2 * 530_442 * 4  # Adam: m and v
+    assert memory.estimate_training_memory(_mlp(), "momentum").optimizer_slots == 530_442 * 4
+    assert memory.estimate_training_memory(_mlp(), "sgd").optimizer_slots == 0
+    # CNN: conv 3x3x3x16 + 16, conv 3x3x16x32 + 32, dense (8*8*32)x10 + 10 = 25,578 parameters
+    assert memory.estimate_training_memory(_cnn(), "sgd").weights == 25_578 * 4
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("optimizer", sorted(memory.OPTIMIZERS))
 def test_state_bytes_exact(name, optimizer):
@@ -56,7 +77,7 @@ def test_activations_within_10_percent(name, policy):
     build, shape, batch = MODELS[name]
     model = build(policy)
     est = memory.estimate_training_memory(model, "adam", policy, batch_size=batch)
-    kept = memory.tape_kept_bytes(model, tf.zeros((batch, *shape)))
+    kept = measure.tape_kept_bytes(model, tf.zeros((batch, *shape)))
     assert abs(est.activations / kept - 1) <= 0.10, (est.activations, kept)
 
 
@@ -78,32 +99,33 @@ def test_step_peak_within_20_percent(name):
     model = build()
     x, y = tf.random.normal((batch, *shape)), tf.zeros((batch,), tf.int32)
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    peak = memory.measure_step_peak(model, memory.make_optimizer("adam"), x, y, loss)
-    work = memory.measure_conv_workspace(model, batch)
+    peak = measure.measure_step_peak(model, memory.make_optimizer("adam"), x, y, loss)
+    work = measure.measure_conv_workspace(model, batch)
     est = memory.estimate_training_memory(model, "adam", batch_size=batch, conv_workspace=work)
     assert abs(est.total / peak - 1) <= 0.20, (est.as_dict(), peak)
 
 
 def test_conv_workspace_measured_and_used():
-    assert memory.measure_conv_workspace(_mlp(), 64) == 0
-    work = memory.measure_conv_workspace(_cnn(), 64)
+    assert measure.measure_conv_workspace(_mlp(), 64) == 0
+    work = measure.measure_conv_workspace(_cnn(), 64)
     assert work > 0
     est = memory.estimate_training_memory(_cnn(), "adam", batch_size=64, conv_workspace=work)
     assert est.workspace == max(work, memory.activation_bytes(_cnn(), 64, conv_workspace=0)[1])
     default = memory.estimate_training_memory(_cnn(), "adam", batch_size=64)
     assert default.workspace == memory.CPU_CONV_WORKSPACE
-    with pytest.raises(ValueError, match="conv_workspace"):
+    with pytest.raises(ValueError, match="conv_workspace must be >= 0 bytes or None, got -1"):
         memory.estimate_training_memory(_cnn(), batch_size=64, conv_workspace=-1)
-    with pytest.raises(ValueError, match="batch_size"):
-        memory.measure_conv_workspace(_cnn(), 0)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        measure.measure_conv_workspace(_cnn(), 0)
 
 
 def test_estimate_rejects_bad_values():
-    with pytest.raises(ValueError, match="optimizer"):
+    with pytest.raises(ValueError, match=r"optimizer must be one of \['adam', 'momentum', 'sgd'\], "
+                                         "got 'adagrad'"):
         memory.estimate_training_memory([], "adagrad")
-    with pytest.raises(ValueError, match="policy"):
+    with pytest.raises(ValueError, match="policy must be one of .* got 'float64'"):
         memory.estimate_training_memory([], "adam", "float64")
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         memory.activation_bytes(_mlp(), 0)
     table = memory.format_estimates({"a": memory.MemoryEstimate(2**20, 2**20, 0)})
     assert "total" in table and "2.00" in table
@@ -119,11 +141,14 @@ def test_tf1_config_round_trip():
     assert memory_config.tf1_config_fields(memory_config.tf1_config()) == {}
 
 
-@pytest.mark.parametrize("kwargs", [dict(memory_fraction=0.0), dict(memory_fraction=1.5),
-                                    dict(visible_devices=[0, 0]), dict(visible_devices=[-1]),
-                                    dict(intra_op_threads=-2)])
-def test_tf1_config_rejects(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(memory_fraction=0.0), r"in \(0, 1\]; got 0.0"),
+    (dict(memory_fraction=1.5), r"in \(0, 1\]; got 1.5"),
+    (dict(visible_devices=[0, 0]), r"distinct GPU indices >= 0, got \[0, 0\]"),
+    (dict(visible_devices=[-1]), r"distinct GPU indices >= 0, got \[-1\]"),
+    (dict(intra_op_threads=-2), "intra_op_threads must be an int >= 0 .* got -2")])
+def test_tf1_config_rejects(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         memory_config.tf1_config(**kwargs)
 
 
@@ -132,10 +157,12 @@ def test_gpu_plan():
     assert plan.memory_limits_mb == (512, 256) and plan.env() == {}
     assert len(plan.calls()) == 2
     assert memory_config.gpu_memory_plan(growth=True).env() == {"TF_FORCE_GPU_ALLOW_GROWTH": "true"}
-    with pytest.raises(ValueError, match="both"):
+    with pytest.raises(ValueError, match="cannot both be set"):
         memory_config.gpu_memory_plan(growth=True, memory_limit_mb=1024)
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="memory_limit_mb must be positive ints .* got -1"):
         memory_config.gpu_memory_plan(memory_limit_mb=-1)
+    with pytest.raises(ValueError, match=r"visible=\[3\] names a GPU index that does not exist"):
+        memory_config.apply_gpu_memory_plan(memory_config.gpu_memory_plan(visible=[3]), gpus=[])
     with pytest.raises(ValueError):  # TensorFlow's own refusal: a CPU has no memory limit
         memory_config.apply_gpu_memory_plan(memory_config.gpu_memory_plan(memory_limit_mb=64),
                                             gpus=tf.config.list_physical_devices("CPU"))
@@ -153,7 +180,7 @@ def test_recompute_and_half_precision_gradients_match():
         if variant == "recompute":
             for g, r in zip(got, ref, strict=True):
                 np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-7)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="variant must be one of .* got 'int8'"):
         memory_savings.gradient_step(params, x, "int8")
 
 
@@ -165,6 +192,6 @@ def test_measure_variants_recompute_saves_memory():
 
 @pytest.mark.slow
 def test_threads_in_fresh_process():
-    assert memory_config.matmul_seconds_with_threads(1, n=64, repeat=1) > 0
-    with pytest.raises(ValueError):
-        memory_config.matmul_seconds_with_threads(0)
+    assert timing.matmul_seconds_with_threads(1, n=64, repeat=1) > 0
+    with pytest.raises(ValueError, match="threads must be an int >= 1, got 0"):
+        timing.matmul_seconds_with_threads(0)

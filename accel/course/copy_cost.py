@@ -1,4 +1,4 @@
-"""What crossing a device boundary costs: measured on this machine, and a cost model for GPUs.
+"""Chapter 02's experiment: what crossing a device boundary costs, measured on this machine.
 
 Two effects, measured separately:
 
@@ -6,7 +6,8 @@ Two effects, measured separately:
   ``_Send``/``_Recv`` pair per hop, even when no byte has to move;
 * bytes moved: a large tensor consumed on another device. Logical CPUs of one process share host
   memory, so TensorFlow hands the buffer over without copying; between a CPU and a GPU (or two
-  GPUs) the bytes really travel over PCIe / NVLink, which ``transfer_time`` models.
+  GPUs) the bytes really travel over PCIe / NVLink, which ``accel.costmodel.steps.transfer_time``
+  models.
 """
 
 from __future__ import annotations
@@ -17,16 +18,7 @@ import tensorflow as tf
 
 from accel.timing import format_ratios, time_fn
 
-__all__ = ["bench", "chain_function", "consume_function", "measure_copy_cost", "transfer_time",
-           "LINK_GBPS"]
-
-# Nominal one-direction bandwidths in GB/s (vendor peak figures; real copies reach ~70-90%).
-LINK_GBPS = {
-    "PCIe 3.0 x16": 15.75,
-    "PCIe 4.0 x16": 31.5,
-    "NVLink 3 (A100, per GPU)": 300.0,
-    "HBM2 (V100 device memory)": 900.0,
-}
+__all__ = ["bench", "chain_function", "consume_function", "measure_copy_cost"]
 
 
 def chain_function(devices: Sequence[str], length: int) -> tf.types.experimental.GenericFunction:
@@ -56,15 +48,6 @@ def consume_function(device: str) -> tf.types.experimental.GenericFunction:
     return consume
 
 
-def transfer_time(nbytes: int, link: str) -> float:
-    """Seconds to move ``nbytes`` over ``link`` at its nominal bandwidth (a lower bound)."""
-    if link not in LINK_GBPS:
-        raise ValueError(f"unknown link {link!r}; known: {sorted(LINK_GBPS)}")
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    return nbytes / (LINK_GBPS[link] * 1e9)
-
-
 def measure_copy_cost(devices: Sequence[str] = ("/cpu:0", "/cpu:1"), size: int = 2**22,
                       chain: int = 64, repeat: int = 7, verbose: bool = False) -> dict[str, float]:
     """Time the two effects on ``devices[0]`` vs ``devices[0]`` <-> ``devices[1]``.
@@ -92,9 +75,8 @@ def measure_copy_cost(devices: Sequence[str] = ("/cpu:0", "/cpu:1"), size: int =
             "bulk_ratio": times["tensor used elsewhere"] / times["tensor used in place"]}
 
 
-def bench() -> dict[str, float]:
-    """``python -m accel bench copy-cost``: both effects on two of ``accel.devices.setup(2)``."""
-    from accel import devices as accel_devices
-
-    names = accel_devices.setup(2)
-    return measure_copy_cost(devices=names[:2], verbose=True)
+def bench(device_names: Sequence[str], quick: bool = False) -> dict[str, float]:
+    """``python -m accel bench copy-cost``: both effects on the first two devices."""
+    if quick:
+        return measure_copy_cost(device_names[:2], size=1024, chain=4, repeat=1, verbose=True)
+    return measure_copy_cost(device_names[:2], verbose=True)

@@ -9,11 +9,10 @@ The towers recipe (one model replica, a *tower*, per device):
 4. the gradients are averaged (``average_gradients``) and applied once, on the variable device.
 
 ``make_tower_step`` builds that step as one ``tf.function`` for any model and list of devices;
-``make_single_step`` is the one-device reference; ``make_mirrored_step`` (from ``accel.mirrored``,
-re-exported here) is the same training with ``tf.distribute.MirroredStrategy``. Loss functions
-return *per-example* losses: a tower takes their mean over its shard; MirroredStrategy scales
-them by the global batch size.
-Scaling measurements, the benchmark and the figure live in ``accel.data_parallel_scaling``.
+``make_single_step`` is the one-device reference. Loss functions return *per-example* losses
+(``accel.training``): a tower takes their mean over its shard. The same training with
+``tf.distribute.MirroredStrategy`` is ``accel.parallel.mirrored``; TFRecord input is
+``accel.parallel.inputs``.
 """
 
 from __future__ import annotations
@@ -23,11 +22,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from accel import checks
 from accel.devices import parse_device
+from accel.training import make_update
 
 __all__ = [
-    "REMAINDERS", "MISSING", "split_batch", "average_gradients", "squared_error", "make_variables",
-    "make_tower_step", "make_single_step", "make_mirrored_step", "mirrored_strategy",
+    "REMAINDERS", "MISSING", "split_batch", "average_gradients", "make_variables",
+    "make_tower_step", "make_single_step", "scaled_learning_rate",
 ]
 
 REMAINDERS = ("error", "pad", "drop")
@@ -65,10 +66,8 @@ def split_batch(batch, n: int, remainder: str = "error") -> list:
 
     Returns a list of ``n`` shards with the structure of ``batch``.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
-    if remainder not in REMAINDERS:
-        raise ValueError(f"remainder must be one of {REMAINDERS}, got {remainder!r}")
+    checks.positive_int("n", n)
+    checks.one_of("remainder", remainder, REMAINDERS)
     flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(batch)]
     if not flat:
         raise ValueError("batch is empty: nothing to split")
@@ -90,8 +89,8 @@ def split_batch(batch, n: int, remainder: str = "error") -> list:
     return [tf.nest.pack_sequence_as(batch, [s[i] for s in shards]) for i in range(n)]
 
 
-def average_gradients(tower_grads: Sequence[Sequence[tuple]],
-                      missing: str = "zero") -> list[tuple]:
+def average_gradients(tower_grads: Sequence[Sequence[tuple]], missing: str = "zero",
+                      weights: Sequence | None = None) -> list[tuple]:
     """Average per-tower ``(gradient, variable)`` lists into one list of ``(gradient, variable)``.
 
     ``tower_grads[i][j]`` is tower ``i``'s pair for variable ``j``; every tower must list the
@@ -105,11 +104,16 @@ def average_gradients(tower_grads: Sequence[Sequence[tuple]],
     * ``"skip"``: the mean over the towers that have one (what the classic TF1 recipe did by
       skipping ``None``), which weights those towers' examples more.
 
+    ``weights``: one weight per tower (e.g. its share of the batch's examples, summing to 1) for
+    towers whose shards differ in size; the result is then ``sum_i weights[i] * g_i`` (with
+    ``"skip"``: renormalised over the towers that have a gradient). ``None``: equal weights.
+
     ``tf.IndexedSlices`` gradients are made dense first. The ops run on the current device, so
     call it under ``tf.device(variable_device)`` to average where the variables live.
     """
-    if missing not in MISSING:
-        raise ValueError(f"missing must be one of {MISSING}, got {missing!r}")
+    checks.one_of("missing", missing, MISSING)
+    if weights is not None and len(weights) != len(tower_grads):
+        raise ValueError(f"weights has {len(weights)} entries for {len(tower_grads)} towers")
     if not tower_grads:
         raise ValueError("tower_grads is empty: need one (gradient, variable) list per tower")
     lengths = {len(t) for t in tower_grads}
@@ -122,19 +126,23 @@ def average_gradients(tower_grads: Sequence[Sequence[tuple]],
         if any(v is not var for _, v in pairs):
             raise ValueError(f"position {j}: the towers list different variables "
                              f"({[getattr(v, 'name', v) for _, v in pairs]})")
-        grads = [tf.convert_to_tensor(g) for g, _ in pairs if g is not None]
+        have = [i for i, (g, _) in enumerate(pairs) if g is not None]
+        grads = [tf.convert_to_tensor(pairs[i][0]) for i in have]
         if not grads:
             averaged.append((None, var))
+            continue
+        if weights is not None:
+            w = [tf.cast(weights[i], grads[0].dtype) for i in have]
+            norm = tf.add_n(w) if missing == "skip" and len(w) > 1 else (
+                w[0] if missing == "skip" else None)
+            terms = [wi * g for wi, g in zip(w, grads, strict=True)]
+            total = tf.add_n(terms) if len(terms) > 1 else terms[0]
+            averaged.append((total / norm if norm is not None else total, var))
             continue
         count = len(pairs) if missing == "zero" else len(grads)
         total = tf.add_n(grads) if len(grads) > 1 else grads[0]
         averaged.append((total / float(count) if count > 1 else total, var))
     return averaged
-
-
-def squared_error(y_true, y_pred) -> tf.Tensor:
-    """Per-example squared error (mean over the output axis): shape ``[batch]``."""
-    return tf.reduce_mean(tf.square(y_true - y_pred), axis=-1)
 
 
 def make_variables(arrays: Sequence, device: str) -> list[tf.Variable]:
@@ -174,26 +182,17 @@ def _check_variables_on(variables, device: str) -> None:
                              "pass variable_device=its device")
 
 
-def _updater(optimizer, variables, device: str) -> Callable[[list], None]:
-    """A function applying ``[(gradient, variable)]``: plain SGD for a float learning rate
-    (one ``ResourceApplyGradientDescent`` per variable), else ``optimizer.apply_gradients``."""
-    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
-        lr = float(optimizer)
-        if lr <= 0:
-            raise ValueError(f"a learning rate must be positive, got {optimizer!r}")
-
-        def sgd(pairs):
-            for g, v in pairs:
-                if g is not None:
-                    tf.raw_ops.ResourceApplyGradientDescent(var=v.handle, alpha=lr, delta=g)
-        return sgd
-    if not hasattr(optimizer, "apply_gradients"):
-        raise ValueError(f"optimizer must be a learning rate or have apply_gradients, "
-                         f"got {type(optimizer).__name__}")
-    if hasattr(optimizer, "build") and not getattr(optimizer, "built", True):
-        with tf.device(device):
-            optimizer.build(variables)  # slots and the step counter next to the variables
-    return lambda pairs: optimizer.apply_gradients([(g, v) for g, v in pairs if g is not None])
+def _shard_weights(xs: list) -> list | None:
+    """``None`` if the shards have the same static size, else each shard's share of the
+    examples (Python floats when sizes are known at tracing, tensors otherwise)."""
+    sizes = [t.shape[0] for t in xs]
+    if None not in sizes:
+        if len(set(sizes)) == 1:
+            return None
+        return [s / sum(sizes) for s in sizes]
+    counts = [tf.cast(tf.shape(t)[0], tf.float32) for t in xs]
+    total = tf.add_n(counts)
+    return [c / total for c in counts]
 
 
 def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_model,
@@ -213,15 +212,16 @@ def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_mode
     (``ResourceApplyGradientDescent`` for plain SGD) run on ``variable_device``
     (default ``devices[0]``). The step ``step(x, y)`` takes a whole batch (split here with
     ``split_batch(..., remainder)``) or tuples of ``len(devices)`` per-tower shards (a tuple or
-    list ``x`` is always read as shards, one per device), and returns
-    the mean of the tower losses. ``step.variables`` are the trained variables.
+    list ``x`` is always read as shards, one per device; shards of different sizes are weighted
+    by their share of the examples, so the update is still the whole batch's), and returns the
+    batch's mean loss. ``step.variables`` are the trained variables.
     """
     devices = [parse_device(d).to_string() for d in devices]
     if not devices:
         raise ValueError("devices is empty: give at least one device name")
     variable_device = parse_device(variable_device or devices[0]).to_string()
     forward, variables = _model_parts(model_fn, params_or_model, variable_device)
-    update = _updater(optimizer, variables, variable_device)
+    update = make_update(optimizer, variables, variable_device)
     n = len(devices)
 
     @tf.function
@@ -232,6 +232,7 @@ def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_mode
             shards = list(zip(x, y, strict=True))
         else:
             shards = split_batch((x, y), n, remainder)
+        weights = _shard_weights([xs for xs, _ in shards])
         tower_grads, losses = [], []
         for i, (device, (xs, ys)) in enumerate(zip(devices, shards, strict=True)):
             with tf.device(device), tf.name_scope(f"tower_{i}"):
@@ -241,8 +242,10 @@ def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_mode
             tower_grads.append(list(zip(grads, variables, strict=True)))
             losses.append(loss)
         with tf.device(variable_device), tf.name_scope("update"):
-            update(average_gradients(tower_grads))
-            return tf.add_n(losses) / float(n)
+            update(average_gradients(tower_grads, weights=weights))
+            if weights is None:
+                return tf.add_n(losses) / float(n)
+            return tf.add_n([w * loss for w, loss in zip(weights, losses, strict=True)])
 
     step.variables = variables
     return step
@@ -254,7 +257,7 @@ def make_single_step(model_fn: Callable | None, loss_fn: Callable, params_or_mod
     Same arguments as ``make_tower_step``; ``step(x, y)`` returns the batch's mean loss."""
     device = parse_device(device).to_string()
     forward, variables = _model_parts(model_fn, params_or_model, device)
-    update = _updater(optimizer, variables, device)
+    update = make_update(optimizer, variables, device)
 
     @tf.function
     def step(x, y):
@@ -269,5 +272,11 @@ def make_single_step(model_fn: Callable | None, loss_fn: Callable, params_or_mod
     return step
 
 
-# The same training with MirroredStrategy (re-exported: dp.mirrored_strategy etc.).
-from accel.mirrored import make_mirrored_step, mirrored_strategy  # noqa: E402
+
+def scaled_learning_rate(base_lr: float, base_batch: int, global_batch: int) -> float:
+    """The linear scaling rule (Goyal et al. 2017): when the batch grows k times, multiply the
+    learning rate by k (with a warm-up for large k)."""
+    checks.positive_number("base_lr", base_lr)
+    checks.positive_int("base_batch", base_batch)
+    checks.positive_int("global_batch", global_batch)
+    return base_lr * global_batch / base_batch

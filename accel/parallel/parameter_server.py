@@ -7,12 +7,15 @@ The server holds the ``tf.Variable`` s on ``ps_device``. Each worker is a Python
 is the mode: ``sync`` waits for all N gradients of the current version, averages and applies once;
 ``k_of_n`` averages the first K and drops the late ones (backup workers, as
 ``tf.compat.v1.train.SyncReplicasOptimizer`` with ``replicas_to_aggregate``); ``async`` applies
-each gradient on arrival (Hogwild-style); ``delayed`` has no threads: gradient ``g`` uses the
-parameters ``delay[g]`` versions old, so staleness can be studied deterministically.
+each gradient on arrival, one at a time under the server's lock (asynchronous SGD as in Downpour
+SGD, not lock-free Hogwild); ``delayed`` has no threads: gradient ``g`` uses the parameters
+``delay[g]`` versions old, so staleness can be studied deterministically. The decisions
+themselves are the pure functions of ``accel.parallel.staleness``.
 
 ``steps`` counts applied updates (in ``delayed``: gradients, as some may be dropped). Every
-gradient leaves an ``UpdateRecord`` (``accel.staleness``). A worker that raises stops the run; its
-exception is re-raised in the caller with a note naming the worker, after every thread is joined.
+gradient leaves an ``UpdateRecord``; ``loss_fn`` returns per-example losses (``accel.training``).
+A worker that raises stops the run; its exception is re-raised in the caller with a note naming
+the worker, after every thread is joined.
 """
 
 from __future__ import annotations
@@ -25,24 +28,22 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from accel.staleness import (
+from accel import checks
+from accel.parallel.staleness import (
+    MODES,
+    SYNC_MODES,
     TrainResult,
     UpdateRecord,
-    bench_sync_async,
-    figure_staleness,
-    toy_problem,
+    check_train_arguments,
+    delayed_read_version,
+    may_read,
+    server_decision,
 )
+from accel.training import make_update
 
-__all__ = ["MODES", "mse", "worker_batches", "train", "train_sync", "train_async",
-           "train_k_of_n", "train_delayed", "toy_problem", "bench_sync_async",
-           "figure_staleness"]
+__all__ = ["MODES", "worker_batches", "train", "train_sync", "train_async", "train_k_of_n",
+           "train_delayed"]
 
-MODES = ("sync", "k_of_n", "async", "delayed")
-
-
-def mse(y, pred):
-    """Mean squared error, a ``loss_fn(y_true, y_pred)`` for ``train``."""
-    return tf.reduce_mean(tf.square(y - pred))
 
 
 def worker_batches(x, y, num_workers: int, batch_size: int) -> list[list[tuple]]:
@@ -50,9 +51,8 @@ def worker_batches(x, y, num_workers: int, batch_size: int) -> list[list[tuple]]
 
     Worker ``w`` uses ``batches[w][i % len(batches[w])]`` at its ``i``-th gradient.
     """
-    if num_workers < 1 or batch_size < 1:
-        raise ValueError(f"need num_workers >= 1 and batch_size >= 1, got {num_workers}, "
-                         f"{batch_size}")
+    checks.positive_int("num_workers", num_workers)
+    checks.positive_int("batch_size", batch_size)
     per = len(x) // num_workers
     if per < batch_size or len(x) != len(y):
         raise ValueError(f"{len(x)} examples (labels: {len(y)}) cannot give {num_workers} "
@@ -61,14 +61,14 @@ def worker_batches(x, y, num_workers: int, batch_size: int) -> list[list[tuple]]
              for j in range(0, per - batch_size + 1, batch_size)] for w in range(num_workers)]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)  # one traced step per (model, loss, device)
 def _grad_fn(model_fn: Callable, loss_fn: Callable, device: str):
     @tf.function
     def grad_step(params, x, y):
         with tf.device(device):
             with tf.GradientTape() as tape:
                 tape.watch(params)
-                loss = loss_fn(y, model_fn(params, x))
+                loss = tf.reduce_mean(loss_fn(y, model_fn(params, x)))
             return loss, tape.gradient(loss, params)
 
     return grad_step
@@ -78,68 +78,66 @@ class _Server:
     """Variables, version counter and the mode's update rule; all shared state under ``cond``."""
 
     def __init__(self, mode, params, ps_device, optimizer, k, max_staleness, eval_fn, eval_every,
-                 steps):
+                 steps, clock):
         with tf.device(ps_device):
             self.vars = [tf.Variable(np.asarray(p, np.float32)) for p in params]
-        self.mode, self.ps_device, self.optimizer, self.k = mode, ps_device, optimizer, k
-        self.max_staleness, self.eval_fn, self.eval_every = max_staleness, eval_fn, eval_every
+        self.update = make_update(optimizer, self.vars, ps_device)
+        self.mode, self.ps_device, self.k, self.max_staleness = mode, ps_device, k, max_staleness
+        self.eval_fn, self.eval_every, self.clock = eval_fn, eval_every, clock
         self.cond = threading.Condition()
         self.version, self.steps, self.stopped, self.error = 0, steps, False, None
-        self.records, self.pending, self.curve, self.examples, self.done_version = [], [], [], 0, {}
-        self.t0 = time.perf_counter()
+        self.records, self.pending, self.curve, self.examples, self.last_read = [], [], [], 0, {}
+        self.t0 = clock()
+        self.last_update = None
 
     def snapshot(self) -> list[tf.Tensor]:
         with tf.device(self.ps_device):
             return [tf.identity(v) for v in self.vars]
 
-    def apply(self, grads) -> None:
+    def apply(self, grads, now: float) -> None:
         """Called under ``cond``: one update, a new version, maybe a loss sample or the end."""
         with tf.device(self.ps_device):
-            if isinstance(self.optimizer, int | float):
-                for v, g in zip(self.vars, grads, strict=True):
-                    v.assign_sub(self.optimizer * g)
-            else:
-                self.optimizer.apply_gradients(zip(grads, self.vars, strict=True))
+            self.update(list(zip(grads, self.vars, strict=True)))
         self.version += 1
+        self.last_update = now
         if self.eval_every and self.version % self.eval_every == 0:
             self.curve.append((self.examples, float(self.eval_fn(self.snapshot()))))
         if self.version >= self.steps:
             self.stopped = True
         self.cond.notify_all()
 
-    def receive(self, worker, read_version, loss, grads, examples) -> None:
-        """Called under ``cond`` when a gradient arrives."""
+    def receive(self, worker, step, read_version, loss, grads, examples) -> None:
+        """Called under ``cond`` when a gradient arrives: ``server_decision`` says what to do."""
         if self.stopped:
             return
+        now = self.clock() - self.t0
         record = dict(worker=worker, read_version=read_version, applied_version=self.version,
-                      loss=loss, time=time.perf_counter() - self.t0, examples=examples)
-        stale = self.version - read_version
-        too_stale = self.max_staleness is not None and stale > self.max_staleness
-        if self.mode in ("sync", "k_of_n"):
-            self.done_version[worker] = read_version
-            too_stale = stale > 0
-        if too_stale:
+                      loss=loss, time=now, examples=examples, step=step)
+        if self.mode in SYNC_MODES:
+            self.last_read[worker] = read_version
+        decision = server_decision(self.mode, self.version, read_version, len(self.pending),
+                                   self.k, self.max_staleness)
+        if decision == "drop":
             self.records.append(UpdateRecord(**record, dropped=True))
             return
-        if self.mode not in ("sync", "k_of_n"):
+        if self.mode not in SYNC_MODES:
             self.records.append(UpdateRecord(**record))
             self.examples += examples
-            return self.apply(grads)
+            return self.apply(grads, now)
         self.pending.append((worker, record, grads))
-        if len(self.pending) == self.k:
-            self.pending.sort(key=lambda item: item[0])
+        if decision == "apply":
+            self.pending.sort(key=lambda item: item[0])  # a fixed order of the sum
             with tf.device(self.ps_device):
                 grads = zip(*(p[2] for p in self.pending), strict=True)
-                mean = [tf.add_n(list(gs)) / self.k for gs in grads]  # a fixed order
+                mean = [tf.add_n(list(gs)) / self.k for gs in grads]
             self.records.extend(UpdateRecord(**p[1]) for p in self.pending)
             self.examples += sum(p[1]["examples"] for p in self.pending)
             self.pending = []
-            self.apply(mean)
+            self.apply(mean, now)
 
     def may_read(self, worker: int, warmup_steps: int) -> bool:
-        if self.mode in ("sync", "k_of_n"):
-            return self.done_version.get(worker, -1) < self.version
-        return worker == 0 or self.version >= warmup_steps
+        return may_read(self.mode, self.version, self.last_read.get(worker, -1), worker,
+                        warmup_steps)
 
 
 def _pad(start: float, step_time: float, factor: float) -> None:
@@ -165,7 +163,7 @@ def _worker_loop(server: _Server, w: int, fn, batches, step_time, factor, warmup
             loss = float(loss)  # waits for the step to finish (GPUs return early)
             _pad(start, step_time, factor)
             with server.cond:
-                server.receive(w, read_version, loss, grads, int(xb.shape[0]))
+                server.receive(w, i, read_version, loss, grads, int(xb.shape[0]))
             i += 1
     except BaseException as exc:  # handed to the caller, which re-raises it
         with server.cond:
@@ -200,12 +198,12 @@ def _run_threads(server, fns, batches, workers, step_time, slowdown, warmup_step
 def _run_delayed(server, fns, batches, delays, warmup_steps) -> None:
     snapshots = {0: server.snapshot()}
     for g, delay in enumerate(delays):
-        w = g % len(fns)
-        read = max(0, server.version - (0 if g < warmup_steps else delay))
-        xb, yb = batches[w][(g // len(fns)) % len(batches[w])]
+        w, step = g % len(fns), g // len(fns)
+        read = delayed_read_version(server.version, delay, g, warmup_steps)
+        xb, yb = batches[w][step % len(batches[w])]
         loss, grads = fns[w](snapshots[read], xb, yb)
         with server.cond:
-            server.receive(w, read, float(loss), grads, int(xb.shape[0]))
+            server.receive(w, step, read, float(loss), grads, int(xb.shape[0]))
         if server.stopped:
             return
         if server.version not in snapshots:
@@ -213,67 +211,44 @@ def _run_delayed(server, fns, batches, delays, warmup_steps) -> None:
             snapshots.pop(server.version - max(delays) - 1, None)
 
 
-def _check(mode, workers, steps, k, delay, slowdown, step_time, max_staleness, optimizer,
-           warmup_steps, eval_every):
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not workers:
-        raise ValueError("need at least one worker device, got none")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if mode == "k_of_n" and not (k is not None and 1 <= k <= len(workers)):
-        raise ValueError(f"k must be in 1..{len(workers)} (the number of workers), got k={k}")
-    delays = ([] if delay is None else [int(delay)] * steps if np.ndim(delay) == 0
-              else [int(d) for d in delay][:steps])
-    if mode == "delayed" and (len(delays) < steps or min(delays) < 0):
-        raise ValueError(f"delay must be an int >= 0 or a list of {steps}+ of them, got {delay!r}")
-    bad = {w: f for w, f in (slowdown or {}).items() if not (0 <= w < len(workers) and f >= 1)}
-    if bad or min(step_time, max_staleness or 0, warmup_steps, eval_every) < 0:
-        raise ValueError(f"slowdown maps a worker index < {len(workers)} to a factor >= 1 (bad: "
-                         f"{bad}); {step_time=}, {max_staleness=}, {warmup_steps=} and "
-                         f"{eval_every=} must be >= 0")
-    if isinstance(optimizer, int | float) and optimizer <= 0:
-        raise ValueError(f"a learning rate must be > 0, got {optimizer}")
-    return delays
-
-
 def train(mode: str, model_fn: Callable, loss_fn: Callable, params: Sequence[np.ndarray], x, y,
           workers: Sequence[str], *, steps: int, batch_size: int = 32,
           optimizer: float | object = 0.1, ps_device: str = "/device:CPU:0", k: int | None = None,
           delay: int | Sequence[int] | None = None, slowdown: Mapping[int, float] | None = None,
           step_time: float = 0.0, max_staleness: int | None = None, warmup_steps: int = 0,
-          eval_every: int = 0) -> TrainResult:
+          eval_every: int = 0, clock: Callable[[], float] = time.perf_counter) -> TrainResult:
     """Train ``model_fn(params, x)`` from the initial ``params`` in ``mode`` (see ``MODES``).
 
     ``workers``: one device per worker; ``steps``: updates to apply; ``optimizer``: a learning
-    rate for plain SGD or an object with ``apply_gradients`` (a Keras optimizer). ``k``: gradients
-    per update in ``k_of_n``. ``delay``: staleness per gradient in ``delayed`` (an int or a list).
+    rate (plain SGD) or an optimizer (``accel.training.make_update``). ``k``: gradients per
+    update in ``k_of_n``. ``delay``: staleness per gradient in ``delayed`` (an int or a list).
     ``slowdown``: ``{worker: factor}`` makes those workers' steps ``factor`` times longer;
-    ``step_time``: pad every step to at least this many seconds (models a device's compute time,
-    since virtual CPUs share cores). Mitigations: ``max_staleness`` drops staler gradients;
-    ``warmup_steps`` (async, delayed): the first updates come from worker 0 alone / without delay.
-    ``eval_every``: record the full-data loss at the start and every that many updates in
-    ``result.curve``. Worker errors are re-raised here, with a note naming the worker.
+    ``step_time``: pad every step to at least this many seconds (a device's compute time, since
+    virtual CPUs share cores). Mitigations: ``max_staleness`` drops staler gradients;
+    ``warmup_steps``: the first updates come from worker 0 alone (async) / without delay.
+    ``eval_every``: sample the full-data loss every that many updates into ``result.curve``.
+    ``clock``: the time source of the records and of ``wall_time`` (start to last applied
+    update). An argument the mode does not use is a ``ValueError`` naming the modes that use it.
     """
-    delays = _check(mode, workers, steps, k, delay, slowdown, step_time, max_staleness, optimizer,
-                    warmup_steps, eval_every)
+    delays = check_train_arguments(mode, len(workers), steps, k, delay, slowdown, step_time,
+                                   max_staleness, optimizer, warmup_steps, eval_every)
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
     batches = worker_batches(x, y, len(workers), batch_size)
     fns = [_grad_fn(model_fn, loss_fn, dev) for dev in workers]
-    full_loss = tf.function(lambda p, xs, ys: loss_fn(ys, model_fn(p, xs)))
+    full_loss = tf.function(lambda p, xs, ys: tf.reduce_mean(loss_fn(ys, model_fn(p, xs))))
     eval_fn = functools.partial(full_loss, xs=x, ys=y)
     k = {"sync": len(workers), "k_of_n": k}.get(mode, 1)
     server = _Server(mode, params, ps_device, optimizer, k, max_staleness, eval_fn, eval_every,
-                     steps)
+                     steps, clock)
     if eval_every:
         server.curve.append((0, float(eval_fn(server.snapshot()))))
-        server.t0 = time.perf_counter()
+        server.t0 = clock()
     if mode == "delayed":
         _run_delayed(server, fns, batches, delays, warmup_steps)
     else:
         _run_threads(server, fns, batches, list(workers), step_time, dict(slowdown or {}),
                      warmup_steps)
-    wall = time.perf_counter() - server.t0
+    wall = server.last_update if server.last_update is not None else clock() - server.t0
     final = float(eval_fn(server.snapshot()))
     return TrainResult(mode, [v.numpy() for v in server.vars], server.records, wall, final,
                        server.curve)
@@ -290,11 +265,11 @@ def train_k_of_n(*args, k: int, **kwargs) -> TrainResult:
 
 
 def train_async(*args, **kwargs) -> TrainResult:
-    """``train("async", ...)``: every gradient is applied as soon as it arrives."""
+    """``train("async", ...)``: every gradient is applied as soon as it arrives (under a lock)."""
     return train("async", *args, **kwargs)
 
 
 def train_delayed(*args, delay: int | Sequence[int], **kwargs) -> TrainResult:
-    """``train("delayed", ..., delay=delay)``: gradient ``g`` uses parameters ``delay`` (or
+    """``train("delayed", ..., delay=delay)``: gradient ``g`` reads parameters ``delay`` (or
     ``delay[g]``) versions old; deterministic, no threads."""
     return train("delayed", *args, delay=delay, **kwargs)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -18,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from accel.data_parallel import split_batch
+from accel import checks
+from accel.parallel.data import split_batch
 
 __all__ = ["write_tfrecords", "temporary_tfrecords", "parse_examples", "tfrecord_dataset"]
 
@@ -43,8 +45,7 @@ def write_tfrecords(x, y, directory: str | Path, num_files: int = 4,
     if x.ndim != 2 or y.ndim != 2 or len(x) != len(y):
         raise ValueError(f"x and y must be 2-D with the same number of rows, got shapes "
                          f"{x.shape} and {y.shape}")
-    if isinstance(num_files, bool) or not isinstance(num_files, int) or num_files < 1:
-        raise ValueError(f"num_files must be a positive int, got {num_files!r}")
+    checks.positive_int("num_files", num_files)
     directory = Path(directory)
     if not directory.is_dir():
         raise ValueError(f"directory {str(directory)!r} does not exist")
@@ -75,7 +76,7 @@ def parse_examples(serialized: tf.Tensor, features: int, outputs: int = 1):
     return parsed["x"], parsed["y"]
 
 
-def tfrecord_dataset(files: Sequence[str], features: int, outputs: int = 1,
+def tfrecord_dataset(files: str | Sequence[str], features: int, outputs: int = 1,
                      batch_size: int = 64, towers: int | None = None,
                      shuffle_buffer: int = 0, seed: int = 0) -> tf.data.Dataset:
     """The input pipeline: files -> records -> batches -> parsed -> per-tower shards -> prefetch.
@@ -86,11 +87,13 @@ def tfrecord_dataset(files: Sequence[str], features: int, outputs: int = 1,
     ``towers=n`` each element is ``(xs, ys)``, tuples of ``n`` per-tower shards (``batch_size``
     must then be a multiple of ``n``), else a plain ``(x, y)``.
     """
+    if isinstance(files, (str, bytes)) or hasattr(files, "__fspath__"):
+        files = [files]  # one file name, not a sequence of characters
+    files = [os.fsdecode(f) for f in files]
     if not files:
         raise ValueError("files is empty: nothing to read")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if towers is not None and (towers < 1 or batch_size % towers):
+    checks.positive_int("batch_size", batch_size)
+    if towers is not None and (checks.positive_int("towers", towers) and batch_size % towers):
         raise ValueError(f"batch_size {batch_size} must be a positive multiple of towers={towers}")
     ds = tf.data.Dataset.from_tensor_slices(list(files))
     ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=len(files), block_length=1)

@@ -1,6 +1,6 @@
-"""accel.data_parallel, accel.tfrecords, accel.data_parallel_scaling: every parallel variant is
-compared with the single-device step on the whole batch; placement is checked with
-accel.placement."""
+"""accel.parallel.data, mirrored, inputs (and chapter 06's experiments in accel.course.scaling):
+every parallel variant is compared with the single-device step on the whole batch; placement is
+checked with accel.placement."""
 
 import os
 
@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accel import data, models, tfrecords
-from accel import data_parallel as dp
-from accel import data_parallel_scaling as scaling
+from accel import data, models
+from accel.course import scaling
+from accel.parallel import data as dp
+from accel.parallel import inputs as tfrecords
+from accel.parallel.mirrored import make_mirrored_step, mirrored_strategy
 from accel.placement import placement_of
+from accel.training import squared_error
 
 SIZES = [8, 16, 1]
 LR = 0.05
@@ -38,7 +41,7 @@ def train(step, x, y):
 @pytest.fixture(scope="module")
 def reference(problem, four_devices):
     """Weights after STEPS single-device SGD steps on whole batches."""
-    step = dp.make_single_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), LR,
+    step = dp.make_single_step(models.mlp_apply, squared_error, models.mlp_init(SIZES), LR,
                                four_devices[0])
     return train(step, *problem)
 
@@ -78,7 +81,8 @@ def test_split_batch_drop_and_pad():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(n=0), "positive int"), (dict(n=2, remainder="spread"), "remainder must be one of"),
+    (dict(n=0), "n must be an int >= 1, got 0"),
+    (dict(n=2, remainder="spread"), r"remainder must be one of .* got .spread."),
 ])
 def test_split_batch_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -161,18 +165,18 @@ def test_average_gradients_errors():
 # ----------------------------------------------------------------------------- equivalence
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_towers_equal_single_device_step(n, problem, reference, four_devices):
-    step = dp.make_tower_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), LR,
+    step = dp.make_tower_step(models.mlp_apply, squared_error, models.mlp_init(SIZES), LR,
                               four_devices[:n])
     assert_weights(train(step, *problem), reference)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_mirrored_custom_loop_equals_single_device_step(n, problem, reference, four_devices):
-    strategy = dp.mirrored_strategy(four_devices[:n])
+    strategy = mirrored_strategy(four_devices[:n])
     with strategy.scope():
         model = models.keras_mlp(SIZES)
         optimizer = tf.keras.optimizers.SGD(LR)
-    step = dp.make_mirrored_step(strategy, model, dp.squared_error, optimizer, BATCH)
+    step = make_mirrored_step(strategy, model, squared_error, optimizer, BATCH)
     ds = tf.data.Dataset.from_tensor_slices(problem).batch(BATCH)
     for batch in strategy.experimental_distribute_dataset(ds):
         step(batch)
@@ -181,27 +185,51 @@ def test_mirrored_custom_loop_equals_single_device_step(n, problem, reference, f
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_mirrored_keras_fit_equals_single_device_step(n, problem, reference, four_devices):
-    with dp.mirrored_strategy(four_devices[:n]).scope():
+    with mirrored_strategy(four_devices[:n]).scope():
         model = models.keras_mlp(SIZES)
         model.compile(tf.keras.optimizers.SGD(LR), loss="mse")
     model.fit(*problem, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert_weights(model.get_weights(), reference)
 
 
-def test_towers_with_keras_model_and_momentum(problem, four_devices):
-    """A Keras model and a stateful Keras optimizer: towers on 4 devices == one device."""
-    results = []
-    for devs in (four_devices[:1], four_devices):
-        with tf.device(four_devices[0]):
-            model = models.keras_mlp(SIZES)
-        opt = tf.keras.optimizers.SGD(LR, momentum=0.9)
-        step = dp.make_tower_step(None, dp.squared_error, model, opt, devs)
-        results.append(train(step, *problem))
-    assert_weights(results[1], results[0])
+def test_towers_with_keras_model_and_momentum_equal_keras_fit(problem, four_devices):
+    """A Keras model and a stateful Keras optimizer (momentum): towers on 4 devices against
+    Keras' own training loop on one device (``fit``, whole batches, no shuffling)."""
+    with tf.device(four_devices[0]):
+        model = models.keras_mlp(SIZES)
+    step = dp.make_tower_step(None, squared_error, model, tf.keras.optimizers.SGD(LR, momentum=0.9),
+                              four_devices)
+    towers = train(step, *problem)
+    with tf.device(four_devices[0]):
+        fitted = models.keras_mlp(SIZES)
+        fitted.compile(tf.keras.optimizers.SGD(LR, momentum=0.9), loss="mse")
+        fitted.fit(*problem, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_weights(towers, fitted.get_weights())
+
+
+def test_presplit_shards_of_unequal_size_equal_whole_batch(problem, reference, four_devices):
+    """Shards of 48 and 16 examples: each tower's gradient weighs by its share (3/4, 1/4), so the
+    update is still the whole batch's (equal weights would give the 16 examples 3x their due)."""
+    step = dp.make_tower_step(models.mlp_apply, squared_error, models.mlp_init(SIZES), LR,
+                              four_devices[:2])
+    for xb, yb in batches(*problem):
+        step((xb[:48], xb[48:]), (yb[:48], yb[48:]))
+    assert_weights([v.numpy() for v in step.variables], reference)
+
+
+def test_average_gradients_with_weights():
+    v = tf.Variable(0.0)
+    pairs = [[(tf.constant(4.0), v)], [(tf.constant(8.0), v)], [(None, v)]]
+    ((zero, _),) = dp.average_gradients(pairs, weights=[0.5, 0.25, 0.25])
+    assert float(zero) == 4.0  # 0.5 * 4 + 0.25 * 8 (+ 0.25 * 0)
+    ((skip, _),) = dp.average_gradients(pairs, missing="skip", weights=[0.5, 0.25, 0.25])
+    assert float(skip) == pytest.approx(4.0 / 0.75)
+    with pytest.raises(ValueError, match="weights has 2 entries for 3 towers"):
+        dp.average_gradients(pairs, weights=[0.5, 0.5])
 
 
 def test_presplit_shards_equal_whole_batch(problem, reference, four_devices):
-    step = dp.make_tower_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), LR,
+    step = dp.make_tower_step(models.mlp_apply, squared_error, models.mlp_init(SIZES), LR,
                               four_devices[:2])
     for xb, yb in batches(*problem):
         (x0, y0), (x1, y1) = dp.split_batch((xb, yb), 2)
@@ -211,15 +239,15 @@ def test_presplit_shards_equal_whole_batch(problem, reference, four_devices):
 
 def test_tower_step_uneven_batch(problem, four_devices):
     x, y = problem
-    step = dp.make_tower_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), LR,
+    step = dp.make_tower_step(models.mlp_apply, squared_error, models.mlp_init(SIZES), LR,
                               four_devices[:4])
     with pytest.raises(ValueError, match="does not split evenly"):
         step(x[:10], y[:10])
-    padded = dp.make_tower_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), LR,
+    padded = dp.make_tower_step(models.mlp_apply, squared_error, models.mlp_init(SIZES), LR,
                                 four_devices[:4], remainder="pad")
     padded(x[:10], y[:10])
     # == one device on the batch padded by hand: the first 2 examples repeated (12 = 4 x 3)
-    by_hand = dp.make_single_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), LR,
+    by_hand = dp.make_single_step(models.mlp_apply, squared_error, models.mlp_init(SIZES), LR,
                                   four_devices[0])
     by_hand(np.concatenate([x[:10], x[:2]]), np.concatenate([y[:10], y[:2]]))
     assert_weights([v.numpy() for v in padded.variables], [v.numpy() for v in by_hand.variables])
@@ -227,23 +255,23 @@ def test_tower_step_uneven_batch(problem, four_devices):
 
 def test_tower_step_bad_arguments(four_devices):
     with pytest.raises(ValueError, match="devices is empty"):
-        dp.make_tower_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), LR, [])
+        dp.make_tower_step(models.mlp_apply, squared_error, models.mlp_init(SIZES), LR, [])
     with pytest.raises(ValueError, match="cannot parse"):
-        dp.make_tower_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), LR,
+        dp.make_tower_step(models.mlp_apply, squared_error, models.mlp_init(SIZES), LR,
                            ["/gpu:x"])
-    with pytest.raises(ValueError, match="learning rate must be positive"):
-        dp.make_tower_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), -1.0,
+    with pytest.raises(ValueError, match="a learning rate must be a number > 0, got -1.0"):
+        dp.make_tower_step(models.mlp_apply, squared_error, models.mlp_init(SIZES), -1.0,
                            four_devices)
     with pytest.raises(ValueError, match="model_fn is required"):
-        dp.make_tower_step(None, dp.squared_error, models.mlp_init(SIZES), LR, four_devices)
+        dp.make_tower_step(None, squared_error, models.mlp_init(SIZES), LR, four_devices)
     on_one = dp.make_variables(models.mlp_init(SIZES), four_devices[1])
     with pytest.raises(ValueError, match="lives on .*CPU:1.*not on the variable device"):
-        dp.make_tower_step(models.mlp_apply, dp.squared_error, on_one, LR, four_devices,
+        dp.make_tower_step(models.mlp_apply, squared_error, on_one, LR, four_devices,
                            variable_device=four_devices[0])
     with tf.device(four_devices[2]):
         model = models.keras_mlp(SIZES)
     with pytest.raises(ValueError, match="CPU:2"):
-        dp.make_tower_step(None, dp.squared_error, model, LR, four_devices)
+        dp.make_tower_step(None, squared_error, model, LR, four_devices)
 
 
 # ----------------------------------------------------------------------------- placement
@@ -251,7 +279,7 @@ def test_placement_variables_and_towers(problem, four_devices):
     """Docstring promise: variables, their reads and the update on variable_device; each
     tower's MatMuls on its own device."""
     var_dev, towers = four_devices[0], four_devices[1:]
-    step = dp.make_tower_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), LR,
+    step = dp.make_tower_step(models.mlp_apply, squared_error, models.mlp_init(SIZES), LR,
                               towers, variable_device=var_dev)
     table = placement_of(step, tf.constant(problem[0][:BATCH - 1]),
                          tf.constant(problem[1][:BATCH - 1]))
@@ -297,12 +325,22 @@ def test_tfrecords_errors(tmp_path):
         tfrecords.write_tfrecords(np.zeros((3, 2)), np.zeros((4, 1)), tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
         tfrecords.write_tfrecords(np.zeros((3, 2)), np.zeros((3, 1)), tmp_path / "nope")
-    with pytest.raises(ValueError, match="multiple of towers"):
+    with pytest.raises(ValueError, match="batch_size 10 must be a positive multiple of towers=4"):
         tfrecords.tfrecord_dataset(["a"], 2, batch_size=10, towers=4)
+    with pytest.raises(ValueError, match="files is empty"):
+        tfrecords.tfrecord_dataset([], 2)
+
+
+def test_tfrecord_dataset_takes_one_file_name(tmp_path):
+    x, y, _ = data.regression(12, 3, 1, seed=4)
+    (name,) = tfrecords.write_tfrecords(x, y, tmp_path, num_files=1)
+    for one in (name, tmp_path / name.split("/")[-1]):
+        got = list(tfrecords.tfrecord_dataset(one, 3, 1, batch_size=12))
+        np.testing.assert_array_equal(got[0][0].numpy(), x)
 
 
 def test_towers_on_tfrecord_pipeline_equal_reference(problem, reference, four_devices):
-    step = dp.make_tower_step(models.mlp_apply, dp.squared_error, models.mlp_init(SIZES), LR,
+    step = dp.make_tower_step(models.mlp_apply, squared_error, models.mlp_init(SIZES), LR,
                               four_devices)
     with tfrecords.temporary_tfrecords(*problem, num_files=4) as files:
         for xs, ys in tfrecords.tfrecord_dataset(files, SIZES[0], SIZES[-1], BATCH, towers=4):
@@ -311,17 +349,12 @@ def test_towers_on_tfrecord_pipeline_equal_reference(problem, reference, four_de
 
 
 # ----------------------------------------------------------------------------- scaling helpers
-def test_step_time_model_and_linear_rule():
-    assert scaling.step_time_model(1, 0.1, 1e8, 1e10) == pytest.approx(0.1)
-    assert scaling.step_time_model(4, 0.1, 1e8, 1e10) == pytest.approx(0.1 + 1.5e-2)
-    assert scaling.step_time_model(4, 0.1, 1e8, 1e10, "one_device") == pytest.approx(0.16)
-    assert scaling.step_time_model(4, 0.1, 1e8, 1e10, "host") == pytest.approx(0.18)
-    assert scaling.step_time_model(1, 0.1, 1e8, 1e10, "host") == pytest.approx(0.12)
-    with pytest.raises(ValueError, match="scheme"):
-        scaling.step_time_model(2, 0.1, 1.0, 1.0, scheme="tree")
-    assert scaling.scaled_learning_rate(0.1, 256, 8192) == pytest.approx(3.2)
-    with pytest.raises(ValueError):
-        scaling.scaled_learning_rate(0.1, 0, 8)
+def test_linear_rule_and_final_loss_inputs():
+    assert dp.scaled_learning_rate(0.1, 256, 8192) == pytest.approx(3.2)
+    with pytest.raises(ValueError, match="base_batch must be an int >= 1, got 0"):
+        dp.scaled_learning_rate(0.1, 0, 8)
+    with pytest.raises(ValueError, match=r"batch_size 2048 is larger than the data set \(n=1024\)"):
+        scaling.final_loss(2048, 0.1)
 
 
 def test_figure_scaling_from_results():

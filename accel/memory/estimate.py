@@ -3,18 +3,16 @@ a model's shapes, and checked against the tensors TensorFlow really holds.
 
 ``estimate_training_memory(model, optimizer="adam", policy="float32", batch_size=64)`` returns a
 ``MemoryEstimate`` (bytes per part, ``total`` = the estimated peak of one training step);
-``format_estimates`` prints several side by side. The checking side: ``tensor_bytes`` counts
-real tensors, ``tape_kept_tensors`` lists the forward tensors the backward pass reads (from the
-traced graph), ``measure_step_peak`` reads TensorFlow's allocator; these live in
-``accel.memory_measure`` and are re-exported here.
+``format_estimates`` prints several side by side; ``tensor_bytes`` counts real tensors. The
+checking side (what TensorFlow really holds and its allocator's peaks) is ``accel.memory.measure``.
 
 Measuring on CPU: ``tf.config.experimental.get_memory_info("CPU:0")`` only reports when the
 environment has ``TF_CPU_ALLOCATOR_USE_BFC=true`` *before TensorFlow is imported* (TensorFlow then
 uses its BFC allocator for host memory, the one it uses on GPUs). There is one host allocator per
 process, so all logical CPUs of ``accel.devices.setup`` share it: ``"CPU:0"`` reports them all.
 
-Recomputation and mixed-precision experiments live in ``accel.memory_savings`` (re-exported
-here: ``bench_memory``, ``figure_memory``); configuration builders in ``accel.memory_config``.
+Recomputation and mixed precision: ``accel.memory.savings``; configuration builders:
+``accel.memory.config``.
 """
 
 from __future__ import annotations
@@ -24,12 +22,12 @@ from dataclasses import asdict, dataclass
 
 import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
 
+from accel import checks
+
 __all__ = [
     "OPTIMIZERS", "POLICIES", "CPU_CONV_WORKSPACE", "MemoryEstimate", "make_optimizer",
     "estimate_training_memory", "activation_bytes", "format_estimates",
-    "mixed_precision_accounting", "tensor_bytes",
-    "slot_variables", "memory_device", "tape_kept_tensors", "tape_kept_bytes", "measure_step_peak",
-    "measure_conv_workspace", "peak_during", "bench_memory", "figure_memory",
+    "mixed_precision_accounting", "tensor_bytes", "nbytes", "slot_variables", "MIB",
 ]
 
 # optimizer name -> slot tensors it keeps per trainable variable (same shape and dtype)
@@ -76,26 +74,22 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
-def _check(name: str, value: str, allowed: Mapping[str, object]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")
-
-
 def make_optimizer(name: str, learning_rate: float = 1e-3):
     """The Keras optimizer behind a name of ``OPTIMIZERS`` ("momentum" is SGD with 0.9)."""
-    _check("optimizer", name, OPTIMIZERS)
+    checks.one_of("optimizer", name, OPTIMIZERS)
     if name == "adam":
         return tf.keras.optimizers.Adam(learning_rate)
     return tf.keras.optimizers.SGD(learning_rate, momentum=0.9 if name == "momentum" else 0.0)
 
 
-def _nbytes(shape, dtype) -> int:
+def nbytes(shape, dtype) -> int:
+    """Bytes of a dense tensor of ``shape`` and ``dtype``: elements x the dtype's size."""
     return int(tf.TensorShape(shape).num_elements()) * tf.as_dtype(dtype).size
 
 
 def tensor_bytes(tensors: Sequence) -> int:
     """Bytes held by real tensors or variables (shape x dtype size, summed)."""
-    return sum(_nbytes(t.shape, t.dtype) for t in tensors)
+    return sum(nbytes(t.shape, t.dtype) for t in tensors)
 
 
 def slot_variables(optimizer) -> list:
@@ -105,7 +99,7 @@ def slot_variables(optimizer) -> list:
 
 
 def _layer_out(layer, batch_size: int, dtype: str) -> int:
-    return batch_size * _nbytes(layer.output.shape[1:], dtype)
+    return batch_size * nbytes(layer.output.shape[1:], dtype)
 
 
 def activation_bytes(model, batch_size: int, policy: str = "float32",
@@ -126,17 +120,17 @@ def activation_bytes(model, batch_size: int, policy: str = "float32",
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    _check("policy", policy, POLICIES)
+    checks.one_of("policy", policy, POLICIES)
     compute = POLICIES[policy][1]
     layers = [la for la in model.layers if type(la).__name__ not in _VIEW_LAYERS]
     acts = sum(_layer_out(layer, batch_size, compute) for layer in layers)
     if compute != "float32":
         kernels = [v for v in model.trainable_variables if len(v.shape) >= 2][1:]
-        acts += sum(_nbytes(v.shape, compute) for v in kernels)
-        acts += sum(batch_size * _nbytes(t.shape[1:], compute) for t in model.inputs)
+        acts += sum(nbytes(v.shape, compute) for v in kernels)
+        acts += sum(batch_size * nbytes(t.shape[1:], compute) for t in model.inputs)
     has_conv = any(type(la).__name__.startswith("Conv") for la in layers)
     widest = max((_layer_out(la, batch_size, compute) for la in layers), default=0)
-    largest = max((_nbytes(v.shape, v.dtype) for v in model.trainable_variables), default=0)
+    largest = max((nbytes(v.shape, v.dtype) for v in model.trainable_variables), default=0)
     if conv_workspace is not None and conv_workspace < 0:
         raise ValueError(f"conv_workspace must be >= 0 bytes or None, got {conv_workspace}")
     conv = CPU_CONV_WORKSPACE if conv_workspace is None else conv_workspace
@@ -157,8 +151,8 @@ def estimate_training_memory(model_or_variables, optimizer: str = "adam",
     their dtype plus ``label_bytes_per_example``, an int32 label by default).
     ``conv_workspace``: see ``activation_bytes`` (default: the rule of thumb).
     """
-    _check("optimizer", optimizer, OPTIMIZERS)
-    _check("policy", policy, POLICIES)
+    checks.one_of("optimizer", optimizer, OPTIMIZERS)
+    checks.one_of("policy", policy, POLICIES)
     is_model = hasattr(model_or_variables, "trainable_variables")
     variables = model_or_variables.trainable_variables if is_model else list(model_or_variables)
     weights = tensor_bytes(variables)
@@ -166,7 +160,7 @@ def estimate_training_memory(model_or_variables, optimizer: str = "adam",
     parts = dict(weights=weights, gradients=weights, optimizer_slots=slots)
     if is_model and batch_size is not None:
         acts, work = activation_bytes(model_or_variables, batch_size, policy, conv_workspace)
-        inputs = sum(batch_size * _nbytes(t.shape[1:], t.dtype) for t in model_or_variables.inputs)
+        inputs = sum(batch_size * nbytes(t.shape[1:], t.dtype) for t in model_or_variables.inputs)
         parts.update(activations=acts, workspace=work,
                      batch=inputs + batch_size * label_bytes_per_example)
     return MemoryEstimate(**parts)
@@ -175,7 +169,7 @@ def estimate_training_memory(model_or_variables, optimizer: str = "adam",
 def format_estimates(estimates: Mapping[str, MemoryEstimate], unit: str = "MiB") -> str:
     """A table, one column per estimate, one row per part (and the total)."""
     scale = {"B": 1, "KiB": 2**10, "MiB": MIB}
-    _check("unit", unit, scale)
+    checks.one_of("unit", unit, scale)
     if not estimates:
         raise ValueError("estimates is empty: pass a mapping name -> MemoryEstimate")
     rows = list(next(iter(estimates.values())).as_dict())
@@ -192,7 +186,7 @@ def mixed_precision_accounting(optimizer: str = "adam") -> dict[str, dict[str, i
     """Bytes per parameter: float32 training, the classic mixed-precision recipe (half weights
     and gradients, float32 master weights and slots: 2 + 2 + 12 for Adam), and what Keras keeps
     (float32 variables and gradients, float32 slots, half copies made each step)."""
-    _check("optimizer", optimizer, OPTIMIZERS)
+    checks.one_of("optimizer", optimizer, OPTIMIZERS)
     slots = {f"slot {i + 1} (fp32)": 4 for i in range(OPTIMIZERS[optimizer])}
     return {
         "float32": {"weights (fp32)": 4, "gradients (fp32)": 4, **slots},
@@ -201,28 +195,3 @@ def mixed_precision_accounting(optimizer: str = "adam") -> dict[str, dict[str, i
         "keras mixed": {"weights (fp32)": 4, "gradients (fp32)": 4, **slots,
                         "per-step copies (fp16)": 2},
     }
-
-
-def bench_memory() -> dict:
-    """``python -m accel bench memory`` (see ``accel.memory_savings.bench_memory``)."""
-    from accel import memory_savings
-
-    return memory_savings.bench_memory()
-
-
-def figure_memory():
-    """The figure ``images/04_memory.png`` (see ``accel.memory_savings.figure_memory``)."""
-    from accel import memory_savings
-
-    return memory_savings.figure_memory()
-
-
-# The checking side (re-exported so that ``memory.measure_step_peak`` etc. keep working).
-from accel.memory_measure import (  # noqa: E402  (needs the definitions above)
-    measure_conv_workspace,
-    measure_step_peak,
-    memory_device,
-    peak_during,
-    tape_kept_bytes,
-    tape_kept_tensors,
-)

@@ -1,0 +1,9 @@
+"""Cost models: every hardware figure with its source, and the arithmetic that turns figures into
+times. Pure Python (no TensorFlow): a model answers "how long would this take on that hardware",
+which the course's virtual devices cannot measure. Everything here is a MODEL and is labelled so
+wherever a chapter prints it.
+
+- ``accel.costmodel.hardware``: peak FLOP/s per precision and link bandwidths, each with its source;
+- ``accel.costmodel.steps``: FLOPs of a training run, transfer times, the step time of synchronous
+  data parallelism under three ways of exchanging gradients.
+"""

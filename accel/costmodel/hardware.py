@@ -1,0 +1,78 @@
+"""Hardware figures the cost models use, each with its source (vendor data sheets and standards).
+
+These are *peak* figures: real training reaches a fraction of a peak FLOP/s (the cost models take
+a utilisation) and real copies reach ~70-90% of a link's nominal bandwidth.
+
+Peaks are dense (NVIDIA's data sheets also print 2x "with sparsity" figures, not used here).
+Training in TensorFlow on V100 and newer runs its matmuls and convolutions on the tensor cores
+when the dtype allows: TF32 for float32 on Ampere and newer (TensorFlow enables TF32 by default:
+``tf.config.experimental.enable_tensor_float_32_execution``), FP16/BF16 under mixed precision.
+The FP32 figure is what a float32 run sees on a V100, or with TF32 switched off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from accel import checks
+
+__all__ = ["Spec", "PEAK_TFLOPS", "LINKS", "peak_flops", "link_bandwidth", "PRECISIONS"]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A figure with the document it comes from."""
+
+    value: float
+    source: str
+
+
+_V100 = "NVIDIA Tesla V100 data sheet (SXM2), 2017"
+_A100 = "NVIDIA A100 Tensor Core GPU data sheet (SXM), 2020"
+_H100 = "NVIDIA H100 Tensor Core GPU data sheet (SXM), 2022"
+_K520 = "NVIDIA GRID K520 board specification: 2 GK104 GPUs, 4.9 TFLOP/s FP32 per board"
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+# device -> precision -> dense peak in TFLOP/s (a precision is absent where there is no unit)
+PEAK_TFLOPS: dict[str, dict[str, Spec]] = {
+    "NVIDIA K520 (2013, per GPU)": {"fp32": Spec(2.45, _K520)},
+    "NVIDIA V100": {"fp32": Spec(15.7, _V100), "fp16": Spec(125.0, _V100)},
+    "NVIDIA A100": {"fp32": Spec(19.5, _A100), "tf32": Spec(156.0, _A100),
+                    "bf16": Spec(312.0, _A100), "fp16": Spec(312.0, _A100)},
+    "NVIDIA H100 SXM": {"fp32": Spec(67.0, _H100), "tf32": Spec(494.7, _H100),
+                        "bf16": Spec(989.4, _H100), "fp16": Spec(989.4, _H100)},
+}
+
+_PCIE = "PCI-SIG base specifications: 8 / 16 / 32 GT/s per lane, 128b/130b encoding"
+# one direction, GB/s (10^9 bytes per second)
+LINKS: dict[str, Spec] = {
+    "PCIe 3.0 x16": Spec(15.75, _PCIE),
+    "PCIe 4.0 x16": Spec(31.5, _PCIE),
+    "PCIe 5.0 x16": Spec(63.0, _PCIE),
+    "NVLink 2 (V100, per GPU)": Spec(150.0, _V100 + ": 300 GB/s total, both directions"),
+    "NVLink 3 (A100, per GPU)": Spec(300.0, _A100 + ": 600 GB/s total, both directions"),
+    "NVLink 4 (H100, per GPU)": Spec(450.0, _H100 + ": 900 GB/s total, both directions"),
+    "HBM2 (V100 device memory)": Spec(900.0, _V100),
+    "HBM2e (A100 80GB device memory)": Spec(2039.0, _A100),
+    "10 Gb Ethernet": Spec(1.25, "IEEE 802.3ae: 10 Gb/s"),
+    "100 Gb Ethernet": Spec(12.5, "IEEE 802.3ba: 100 Gb/s"),
+    "InfiniBand HDR (200 Gb/s)": Spec(25.0, "InfiniBand Trade Association roadmap: HDR 200 Gb/s"),
+    "InfiniBand NDR (400 Gb/s)": Spec(50.0, "InfiniBand Trade Association roadmap: NDR 400 Gb/s"),
+}
+
+
+def peak_flops(device: str, precision: str = "fp32") -> float:
+    """Dense peak FLOP/s of ``device`` (a key of ``PEAK_TFLOPS``) at ``precision``."""
+    checks.one_of("device", device, PEAK_TFLOPS)
+    have = PEAK_TFLOPS[device]
+    if precision not in have:
+        raise ValueError(f"{device} has no {precision!r} peak (no such unit); it has "
+                         f"{sorted(have)}; precisions are {PRECISIONS}")
+    return have[precision].value * 1e12
+
+
+def link_bandwidth(link: str) -> float:
+    """Nominal one-direction bandwidth of ``link`` (a key of ``LINKS``) in bytes per second."""
+    checks.one_of("link", link, LINKS)
+    return LINKS[link].value * 1e9

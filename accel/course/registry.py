@@ -1,0 +1,99 @@
+"""The course's benchmarks (``python -m accel bench NAME``) and figures (``make images``).
+
+Each benchmark is a function ``bench(device_names, quick=False) -> dict`` that prints ratios
+against its own baseline, measured in the same run; ``quick`` runs a tiny version (used by the
+test that runs every benchmark one after another in one process). The runner creates the
+devices once, with ``accel.devices.setup(4)``, and hands them to every benchmark. Each figure is a
+function returning a ``matplotlib`` figure, saved under ``images/`` by the name it is registered
+with. Timings never appear in unit tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from accel import devices
+
+__all__ = ["BENCHMARKS", "FIGURES", "BENCH_DEVICES", "get", "run", "run_all", "list_lines",
+           "save_figures"]
+
+BENCH_DEVICES = 4
+
+# name -> ("module:function", one-line description)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "copy-cost": ("accel.course.copy_cost:bench",
+                  "ops hopping between devices; a big tensor used elsewhere (chapter 02)"),
+    "memory": ("accel.course.memory:bench_memory",
+               "peak memory and step time: plain vs recompute vs mixed precision (chapter 04)"),
+    "sync-async": ("accel.course.sync_async:bench_sync_async",
+                   "throughput of sync, async and K-of-N with a 4x straggler (chapter 05)"),
+    "towers": ("accel.course.scaling:bench_towers",
+               "step time of hand-written towers vs MirroredStrategy vs one device (chapter 06)"),
+}
+
+# file name in images/ -> "module:function" returning a Figure
+FIGURES: dict[str, str] = {
+    "01_devices.png": "accel.course.diagrams:figure_devices",
+    "01_scale.png": "accel.course.scale:figure_scale",
+    "02_placement.png": "accel.course.diagrams:figure_placement",
+    "03_kernels.png": "accel.course.diagrams:figure_kernels",
+    "04_memory.png": "accel.course.memory:figure_memory",
+    "05_staleness.png": "accel.course.sync_async:figure_staleness",
+    "06_scaling.png": "accel.course.scaling:figure_scaling",
+}
+
+
+def _resolve(target: str) -> Callable:
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def get(name: str) -> Callable[..., dict]:
+    """The benchmark function registered as ``name``."""
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; available: {', '.join(sorted(BENCHMARKS))}")
+    return _resolve(BENCHMARKS[name][0])
+
+
+def list_lines() -> list[str]:
+    """``name<TAB>description`` for every benchmark, sorted by name."""
+    return [f"{name}\t{text}" for name, (_, text) in sorted(BENCHMARKS.items())]
+
+
+def run(name: str, quick: bool = False) -> dict:
+    """Run one benchmark on the course's devices and return its numbers."""
+    bench = get(name)
+    return bench(devices.setup(BENCH_DEVICES), quick=quick)
+
+
+def run_all(names: Sequence[str] | None = None, quick: bool = False) -> dict[str, dict]:
+    """Run several benchmarks (default: all) one after another in this process."""
+    names = list(names or sorted(BENCHMARKS))
+    for name in names:
+        get(name)  # every name is checked before anything runs
+    results = {}
+    for name in names:
+        print(f"== {name}")
+        results[name] = run(name, quick=quick)
+    return results
+
+
+def save_figures(out: str | Path = "images", names: Sequence[str] | None = None) -> list[Path]:
+    """Build every registered figure (or just ``names``) and save it under ``out``."""
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    unknown = sorted(set(names or ()) - set(FIGURES))
+    if unknown:
+        raise ValueError(f"unknown figure(s) {unknown}; registered: {sorted(FIGURES)}")
+    out.mkdir(parents=True, exist_ok=True)
+    saved = []
+    for name in names or sorted(FIGURES):
+        fig = _resolve(FIGURES[name])()
+        path = out / name
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        saved.append(path)
+    return saved

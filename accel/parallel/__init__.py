@@ -1,0 +1,10 @@
+"""Part III of the course: training on several devices of one process.
+
+- ``accel.parallel.parameter_server`` (05): a parameter server and worker threads: sync, async,
+  K-of-N, controlled delay;
+- ``accel.parallel.staleness`` (05): the server's decision rules as pure functions, per-update
+  records and their analysis;
+- ``accel.parallel.data`` (06): data parallelism by hand, the towers recipe;
+- ``accel.parallel.mirrored`` (06): the same training with ``MirroredStrategy``;
+- ``accel.parallel.inputs`` (06): TFRecord files read back through ``tf.data``, split per tower.
+"""

@@ -1,0 +1,235 @@
+"""What a parameter-server run leaves behind: one record per gradient, and their analysis.
+
+Versions count updates: the parameters start at version 0 and every applied update adds one.
+A worker reads the parameters at ``read_version``; when its gradient reaches the server the
+parameters are at ``applied_version``. The difference is the gradient's *staleness*: how many
+updates other workers made while this one was computing. Synchronous training has staleness 0 by
+construction; asynchronous training measures it. Analysing records needs only NumPy.
+
+The server's decisions are pure functions of plain integers, so they can be read and tested
+against written-out tables; ``accel.parallel.parameter_server``'s threads only call them:
+
+* ``server_decision``: what happens to a gradient that arrives ("apply", "hold" or "drop");
+* ``may_read``: whether a worker may read the parameters now;
+* ``delayed_read_version``: which version gradient ``g`` reads in the controlled-delay loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from accel import checks
+
+__all__ = ["MODES", "SYNC_MODES", "DECISIONS", "MODE_ONLY", "server_decision", "may_read",
+           "check_train_arguments",
+           "delayed_read_version", "UpdateRecord", "TrainResult", "staleness_histogram",
+           "delay_schedule", "summarize"]
+
+MODES = ("sync", "k_of_n", "async", "delayed")
+SYNC_MODES = ("sync", "k_of_n")  # updates average k gradients of the current version
+DECISIONS = ("apply", "hold", "drop")
+# keyword -> the modes that use it; any other mode refuses it
+MODE_ONLY = {"k": ("k_of_n",), "delay": ("delayed",), "max_staleness": ("async", "delayed"),
+              "warmup_steps": ("async", "delayed"), "slowdown": ("sync", "k_of_n", "async"),
+              "step_time": ("sync", "k_of_n", "async")}
+
+
+def server_decision(mode: str, version: int, read_version: int, pending: int, k: int = 1,
+                    max_staleness: int | None = None) -> str:
+    """What the server does with a gradient computed at ``read_version`` that arrives when the
+    parameters are at ``version`` and ``pending`` gradients of this version are already held.
+
+    * ``sync`` / ``k_of_n``: a gradient of an older version is late ("drop"); otherwise it is
+      held until it is the ``k``-th ("apply": average the ``k`` held gradients, one update).
+      ``sync`` is ``k_of_n`` with ``k`` = the number of workers.
+    * ``async`` / ``delayed``: every gradient is applied on arrival, unless ``max_staleness`` is
+      set and the gradient is staler than that ("drop").
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    staleness = version - read_version
+    if staleness < 0 or pending < 0 or k < 1:
+        raise ValueError(f"need read_version <= version, pending >= 0 and k >= 1; got "
+                         f"{version=}, {read_version=}, {pending=}, {k=}")
+    if mode in SYNC_MODES:
+        if staleness > 0:
+            return "drop"
+        return "apply" if pending + 1 >= k else "hold"
+    if max_staleness is not None and staleness > max_staleness:
+        return "drop"
+    return "apply"
+
+
+def may_read(mode: str, version: int, last_read: int, worker: int, warmup_steps: int = 0) -> bool:
+    """Whether ``worker`` may read the parameters (at ``version``) for its next gradient.
+
+    ``sync`` / ``k_of_n``: once per version: only if its last gradient was computed at an older
+    version (``last_read`` < ``version``; -1 before its first). ``async``: always, except during
+    a warm-up of ``warmup_steps`` updates, when only worker 0 works.
+    """
+    if mode in SYNC_MODES:
+        return last_read < version
+    return worker == 0 or version >= warmup_steps
+
+
+def delayed_read_version(version: int, delay: int, index: int, warmup_steps: int = 0) -> int:
+    """The version gradient number ``index`` reads in the controlled-delay loop: ``delay``
+    updates behind the current ``version`` (never before version 0), except during the first
+    ``warmup_steps`` gradients, which read the current version."""
+    return max(0, version - (0 if index < warmup_steps else delay))
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """One gradient as the parameter server saw it.
+
+    ``applied_version`` is the version the gradient met on arrival (before its update);
+    ``dropped`` gradients (late in K-of-N, or too stale) were not applied. ``loss`` is the
+    worker's mini-batch loss at the parameters it read; ``time`` is seconds since the run began;
+    ``step`` counts the worker's own gradients (0, 1, ...): it used mini-batch
+    ``batches[worker][step % len(batches[worker])]``.
+    """
+
+    worker: int
+    read_version: int
+    applied_version: int
+    loss: float
+    time: float
+    examples: int
+    dropped: bool = False
+    step: int = 0
+
+    @property
+    def staleness(self) -> int:
+        """Updates applied by others between this gradient's read and its arrival."""
+        return self.applied_version - self.read_version
+
+
+@dataclass
+class TrainResult:
+    """A finished run: final parameters (NumPy), the records in arrival order, and timings.
+
+    ``curve`` lists ``(examples applied, full-data loss)`` pairs sampled during the run.
+    ``wall_time`` runs from the start to the last *applied* update: a straggler's unfinished or
+    dropped work after it does not count.
+    """
+
+    mode: str
+    params: list[np.ndarray]
+    records: list[UpdateRecord]
+    wall_time: float
+    final_loss: float
+    curve: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def applied(self) -> list[UpdateRecord]:
+        """The records of gradients that changed the parameters."""
+        return [r for r in self.records if not r.dropped]
+
+    @property
+    def staleness(self) -> np.ndarray:
+        """Staleness of every applied gradient, in arrival order."""
+        return np.array([r.staleness for r in self.applied], dtype=np.int64)
+
+    @property
+    def examples(self) -> int:
+        """Examples whose gradients were applied."""
+        return sum(r.examples for r in self.applied)
+
+    @property
+    def examples_per_s(self) -> float:
+        """Throughput: applied examples per second of wall time."""
+        return self.examples / self.wall_time if self.wall_time > 0 else float("nan")
+
+    @property
+    def mean_loss(self) -> float:
+        """Mean of the sampled full-data losses (``curve``): the area under the loss curve per
+        sample, lower when training gets low sooner. NaN without a curve."""
+        return float(np.mean([loss for _, loss in self.curve])) if self.curve else float("nan")
+
+    def dropped_by_worker(self, num_workers: int) -> list[int]:
+        """How many gradients of each worker were dropped."""
+        counts = [0] * num_workers
+        for r in self.records:
+            if r.dropped:
+                counts[r.worker] += 1
+        return counts
+
+
+def staleness_histogram(records: Sequence[UpdateRecord],
+                        max_staleness: int | None = None) -> np.ndarray:
+    """``counts[s]`` = number of applied gradients with staleness ``s`` (0..max seen)."""
+    values = [r.staleness for r in records if not r.dropped]
+    if any(v < 0 for v in values):
+        raise ValueError(f"negative staleness in records: {min(values)}; versions are corrupt")
+    top = max(values, default=0) if max_staleness is None else max_staleness
+    return np.bincount(np.minimum(values, top), minlength=top + 1) if values else np.zeros(1, int)
+
+
+def summarize(result: TrainResult) -> dict[str, float]:
+    """Facts about a run: counts, staleness statistics, throughput and final loss."""
+    s = result.staleness
+    return {
+        "gradients": len(result.records),
+        "applied": len(s),
+        "dropped": len(result.records) - len(s),
+        "max_staleness": int(s.max()) if len(s) else 0,
+        "mean_staleness": float(s.mean()) if len(s) else 0.0,
+        "stale_fraction": float((s > 0).mean()) if len(s) else 0.0,
+        "examples_per_s": result.examples_per_s,
+        "final_loss": result.final_loss,
+    }
+
+
+def delay_schedule(steps: int, mean_delay: float, seed: int = 0) -> list[int]:
+    """A reproducible list of ``steps`` delays, geometric with the given mean (0 allowed).
+
+    Mimics the long-tailed staleness of real asynchronous runs for the deterministic
+    controlled-delay loop (``accel.parameter_server.train_delayed``).
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0 or mean_delay < 0:
+        raise ValueError(f"steps must be an int >= 0 and mean_delay >= 0, got {steps=}, "
+                         f"{mean_delay=}")
+    rng = np.random.default_rng(seed)
+    return [int(d) for d in rng.geometric(1.0 / (1.0 + mean_delay), size=steps) - 1]
+
+
+def check_train_arguments(mode: str, num_workers: int, steps: int, k=None, delay=None,
+                          slowdown=None, step_time=0.0, max_staleness=None, optimizer=0.1,
+                          warmup_steps=0, eval_every=0) -> list[int]:
+    """Check the arguments of ``accel.parallel.parameter_server.train`` before any thread starts;
+    return the per-gradient delays of the ``delayed`` mode ([] otherwise). An argument that
+    ``mode`` does not use (see ``MODE_ONLY``) is a ``ValueError`` naming the modes that use it.
+    """
+    checks.one_of("mode", mode, MODES)
+    given = {"k": k, "delay": delay, "max_staleness": max_staleness,
+             "warmup_steps": warmup_steps or None, "slowdown": slowdown or None,
+             "step_time": step_time or None}
+    for name, value in given.items():
+        if value is not None and mode not in MODE_ONLY[name]:
+            raise ValueError(f"{name}={value!r} has no effect in mode {mode!r}; the modes "
+                             f"that use {name}: {', '.join(MODE_ONLY[name])}")
+    if num_workers < 1:
+        raise ValueError("need at least one worker device, got none")
+    checks.positive_int("steps", steps)
+    if mode == "k_of_n" and not (isinstance(k, int) and 1 <= k <= num_workers):
+        raise ValueError(f"k must be in 1..{num_workers} (the number of workers), got k={k!r}")
+    delays = ([] if delay is None else [delay] * steps if np.ndim(delay) == 0
+              else list(delay)[:steps])
+    if mode == "delayed" and (len(delays) < steps or not all(
+            isinstance(d, int | np.integer) and d >= 0 for d in delays)):
+        raise ValueError(f"delay must be an int >= 0 or a list of {steps}+ of them, got {delay!r}")
+    bad = {w: f for w, f in (slowdown or {}).items() if not (0 <= w < num_workers and f >= 1)}
+    if bad:
+        raise ValueError(f"slowdown maps a worker index < {num_workers} to a factor >= 1; "
+                         f"bad: {bad}")
+    checks.non_negative_number("step_time", step_time)
+    checks.non_negative_int("warmup_steps", warmup_steps)
+    checks.non_negative_int("eval_every", eval_every)
+    if max_staleness is not None:
+        checks.non_negative_int("max_staleness", max_staleness)
+    checks.learning_rate(optimizer)
+    return [int(d) for d in delays]

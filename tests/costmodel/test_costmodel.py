@@ -1,0 +1,64 @@
+"""accel.costmodel: the arithmetic of the models, against hand calculations and literal figures."""
+
+import pytest
+
+from accel.costmodel import hardware, steps
+
+
+def test_training_flops_defaults_are_inception_on_imagenet():
+    assert steps.training_flops() == pytest.approx(3 * 5.7e9 * 1_281_167 * 100)
+    assert steps.training_flops(1.0, 10, 2) == pytest.approx(60e9)
+
+
+def test_days_to_train():
+    assert steps.days_to_train(86400e12, 1.0) == pytest.approx(1.0)
+    assert steps.days_to_train(86400e12, 1.0, 0.5) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"forward_gflops": 0}, "forward_gflops must be a number > 0, got 0"),
+    ({"examples": 0}, "examples must be an int >= 1, got 0"),
+    ({"epochs": 1.5}, "epochs must be an int >= 1, got 1.5")])
+def test_training_flops_rejects_bad_inputs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        steps.training_flops(**kwargs)
+
+
+def test_days_to_train_rejects_bad_inputs():
+    with pytest.raises(ValueError, match=r"utilization must be in \(0, 1\], got 1.5"):
+        steps.days_to_train(1.0, 1.0, 1.5)
+    with pytest.raises(ValueError, match="tflops must be a number > 0, got 0.0"):
+        steps.days_to_train(1.0, 0.0)
+
+
+def test_transfer_time_model():
+    assert steps.transfer_time(15_750_000_000, "PCIe 3.0 x16") == pytest.approx(1.0)
+    assert steps.transfer_time(0, "PCIe 4.0 x16") == 0.0
+    with pytest.raises(ValueError, match="link must be one of .* got 'USB'"):
+        steps.transfer_time(1, "USB")
+    with pytest.raises(ValueError, match="nbytes must be a number >= 0, got -1"):
+        steps.transfer_time(-1, "PCIe 3.0 x16")
+
+
+def test_data_parallel_step_time_by_hand():
+    # 100 MB of gradients at 10 GB/s: one copy = 10 ms
+    assert steps.data_parallel_step_time(1, 0.1, 1e8, 1e10) == pytest.approx(0.1)
+    assert steps.data_parallel_step_time(4, 0.1, 1e8, 1e10) == pytest.approx(0.1 + 1.5 * 0.01)
+    assert steps.data_parallel_step_time(4, 0.1, 1e8, 1e10, "one_device") == pytest.approx(0.16)
+    assert steps.data_parallel_step_time(4, 0.1, 1e8, 1e10, "host") == pytest.approx(0.18)
+    assert steps.data_parallel_step_time(1, 0.1, 1e8, 1e10, "host") == pytest.approx(0.12)
+    assert steps.data_parallel_step_time(2, 0, 0, 1, latency_s=1e-3) == pytest.approx(2e-3)
+    with pytest.raises(ValueError, match="scheme must be one of .* got 'tree'"):
+        steps.data_parallel_step_time(2, 0.1, 1.0, 1.0, scheme="tree")
+
+
+def test_hardware_figures_against_the_data_sheets():
+    assert hardware.peak_flops("NVIDIA A100", "fp32") == 19.5e12
+    assert hardware.peak_flops("NVIDIA A100", "bf16") == 312e12
+    assert hardware.peak_flops("NVIDIA V100", "fp16") == 125e12
+    assert hardware.link_bandwidth("NVLink 3 (A100, per GPU)") == 300e9
+    assert hardware.link_bandwidth("PCIe 4.0 x16") == 31.5e9
+    assert all(spec.source for peaks in hardware.PEAK_TFLOPS.values() for spec in peaks.values())
+    assert all(spec.source for spec in hardware.LINKS.values())
+    with pytest.raises(ValueError, match=r"NVIDIA V100 has no 'tf32' peak .* \['fp16', 'fp32'\]"):
+        hardware.peak_flops("NVIDIA V100", "tf32")

@@ -1,0 +1,60 @@
+"""accel.kernels: the kernel registry read per type attribute, portability gaps."""
+
+import pytest
+import tensorflow as tf
+
+from accel import kernels
+
+
+def test_registered_kernels_knows_the_int32_gap():
+    variable = kernels.registered_kernels("VariableV2")
+    assert variable["CPU"] == ["any"]
+    assert "float32" in variable["GPU"] and "int32" not in variable["GPU"]
+    matmul = kernels.registered_kernels("MatMul")
+    assert "uint8" not in matmul["CPU"] and "float32" in matmul["CPU"]
+    assert "GPU" not in kernels.registered_kernels("StringJoin")
+    with pytest.raises(ValueError, match="unknown op type 'NoSuchOp'"):
+        kernels.registered_kernels("NoSuchOp")
+
+
+def test_kernel_gaps():
+    def fn(tokens, weights):
+        label = tf.strings.join(["a", "b"], name="label")
+        return label, tf.matmul(tokens, tokens, name="bytes"), tf.matmul(weights, weights)
+
+    args = (tf.ones((2, 2), tf.uint8), tf.ones((2, 2)))
+    gpu = kernels.kernel_gaps(fn, *args, device_type="GPU")
+    cpu = kernels.kernel_gaps(fn, *args, device_type="CPU")
+    assert ("label", "StringJoin", "any") in gpu
+    assert ("bytes", "MatMul", "uint8") in gpu
+    assert cpu == [("bytes", "MatMul", "uint8")]
+
+
+def test_registered_kernels_reads_the_data_attribute_only():
+    """Sum has T (data) and Tidx (axis index type). Its GPU kernels take no int32 data (TF keeps
+    int32 reductions on the host); merging Tidx's {int32, int64} in would claim they do."""
+    assert kernels.data_attr("Sum") == "T" and kernels.data_attr("Range") == "Tidx"
+    assert kernels.registered_kernels("Sum")["GPU"] == [
+        "bfloat16", "complex128", "complex64", "float16", "float32", "float64", "int64"]
+    assert kernels.registered_kernels("Sum", attr="Tidx")["GPU"] == ["int32", "int64"]
+    assert kernels.registered_kernels("TopKV2", attr="index_type")["GPU"] == ["int32"]
+    with pytest.raises(ValueError, match=r"op Sum has no type attribute 'dtype'; it has \['T', "
+                                         r"'Tidx'\]"):
+        kernels.registered_kernels("Sum", attr="dtype")
+
+
+def test_kernel_gaps_device_type_any_case_and_unknown():
+    def fn(x):
+        return tf.strings.join(["a", "b"], name="label"), x * 2.0
+
+    upper = kernels.kernel_gaps(fn, tf.ones(2), device_type="GPU")
+    assert kernels.kernel_gaps(fn, tf.ones(2), device_type="gpu") == upper
+    assert {row[1] for row in upper} == {"StringJoin", "Const"}  # strings live on the host
+    assert {row[2] for row in upper if row[1] == "Const"} == {"string"}
+    with pytest.raises(ValueError, match=r"device_type must be one of .* got 'NPU'"):
+        kernels.kernel_gaps(fn, tf.ones(2), device_type="NPU")
+
+
+def test_kernel_gaps_traces_a_tf_function_with_its_own_signature():
+    fn = tf.function(lambda x: tf.matmul(x, x), input_signature=[tf.TensorSpec([2, 2], tf.uint8)])
+    assert kernels.kernel_gaps(fn, device_type="GPU") == [("MatMul", "MatMul", "uint8")]
