@@ -101,11 +101,10 @@ def setup(count: int = 4, kind: str = "auto", seed: int = 0,
     if _state.get("key") == key:
         return list(_state["names"])  # type: ignore[arg-type]
     if "key" in _state:
-        old = dict(zip(_KEY_NAMES, _state["key"], strict=True))  # type: ignore[arg-type]
         raise RuntimeError(
-            f"accel.devices.setup was already called with {old}; TensorFlow's devices and "
-            f"thread pools are fixed once it has started, so "
-            f"{dict(zip(_KEY_NAMES, key, strict=True))} needs a fresh process: restart the kernel")
+            f"accel.devices.setup was already called with {_spell(_state['key'])}; "
+            "TensorFlow's devices and thread pools are fixed once it has started, so "
+            f"{_spell(key)} needs a fresh process: restart the kernel")
     _quiet()
     try:
         _threads(inter_op_threads, intra_op_threads)
@@ -128,7 +127,13 @@ def setup(count: int = 4, kind: str = "auto", seed: int = 0,
 
 
 _KEY_NAMES = ("count", "kind", "intra_op_threads", "inter_op_threads", "gpu_memory_mb")
+_DEFAULTS = (None, None, None, None, DEFAULT_GPU_SPLIT_MB)
 
+
+def _spell(key) -> str:
+    """``count=4, kind='auto'`` plus the arguments that differ from their defaults."""
+    return ", ".join(f"{n}={v!r}" for n, v, d in zip(_KEY_NAMES, key, _DEFAULTS, strict=True)
+                     if d is None and n in ("count", "kind") or (v != d))
 
 # --------------------------------------------------------------------------- device names
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"

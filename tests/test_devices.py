@@ -83,7 +83,8 @@ def test_setup_in_a_fresh_process_with_other_counts_and_threads():
     lines = out.splitlines()
     assert lines[:4] == ["['/device:CPU:0', '/device:CPU:1']"] * 2 + ["True", "1 3"]
     assert lines[4].startswith("RuntimeError") and "restart the kernel" in lines[4]
-    assert "'intra_op_threads': 1" in lines[4] and "'intra_op_threads': 2" in lines[4]
+    assert "count=2, kind='auto', intra_op_threads=1, inter_op_threads=3;" in lines[4]
+    assert "so count=2, kind='auto', intra_op_threads=2 needs a fresh process" in lines[4]
 
 
 @pytest.mark.slow
