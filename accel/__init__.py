@@ -26,6 +26,7 @@ part III     accel.parallel.staleness (05)     the server's decision rules, reco
              accel.parallel.data (06)          data parallelism by hand: the towers recipe
              accel.parallel.mirrored (06)      the same with MirroredStrategy
              accel.parallel.inputs (06)        TFRecord files through tf.data, split per tower
+             accel.parallel.partition (07-08)  cutting layers into balanced parts (pure)
 course       accel.course.registry             benchmarks (python -m accel bench) and figures
              accel.course.* (01-06)            each chapter's experiments, figures and toy set-ups;
                                                the only code that calls accel.devices.setup()

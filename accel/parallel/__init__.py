@@ -6,5 +6,6 @@
   records and their analysis;
 - ``accel.parallel.data`` (06): data parallelism by hand, the towers recipe;
 - ``accel.parallel.mirrored`` (06): the same training with ``MirroredStrategy``;
-- ``accel.parallel.inputs`` (06): TFRecord files read back through ``tf.data``, split per tower.
+- ``accel.parallel.inputs`` (06): TFRecord files read back through ``tf.data``, split per tower;
+- ``accel.parallel.partition`` (07, 08): cutting a layer sequence into parts (pure functions).
 """
