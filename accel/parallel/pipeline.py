@@ -23,13 +23,14 @@ for both schedules (``idle_fraction`` measures it on a schedule).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from accel import checks
 
 __all__ = ["PHASES", "Task", "gpipe_orders", "one_f_one_b_orders", "clock_schedule",
            "gpipe_schedule", "one_f_one_b_schedule", "validate_schedule", "stage_orders",
-           "bubble_fraction", "idle_fraction", "peak_in_flight", "format_schedule"]
+           "bubble_fraction", "idle_fraction", "peak_in_flight", "format_schedule", "simulate",
+           "interval_idle_fractions"]
 
 PHASES = ("F", "B")
 Task = tuple[int, int, str]  # (stage, microbatch, phase)
@@ -196,3 +197,47 @@ def format_schedule(schedule: Sequence[Sequence[Task]], num_stages: int) -> str:
     head = "tick    " + " ".join(f"{t:>{width}}" for t in range(len(schedule)))
     rows = [f"stage {j} " + " ".join(f"{c:>{width}}" for c in row) for j, row in enumerate(cells)]
     return "\n".join([head, *rows])
+
+
+def simulate(orders: Sequence[Sequence[Task]],
+             durations: Callable[[Task], float]) -> list[list[tuple[Task, float, float]]]:
+    """Per-stage task orders played out with real durations (``durations(task)`` seconds): each
+    task starts when its stage is free and the tasks it depends on have ended. Returns each
+    stage's ``(task, start, end)`` list: a timeline predicted from measured task times."""
+    p = len(orders)
+    if p == 0:
+        raise ValueError("orders is empty: give one task list per stage")
+    end: dict[Task, float] = {}
+    free, position = [0.0] * p, [0] * p
+    out: list[list[tuple[Task, float, float]]] = [[] for _ in range(p)]
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for j in range(p):
+            if position[j] == len(orders[j]):
+                continue
+            task = orders[j][position[j]]
+            deps = _dependencies(task, p)
+            if all(d in end for d in deps):
+                start = max([free[j], *(end[d] for d in deps)])
+                seconds = checks.non_negative_number(f"durations({task!r})", durations(task))
+                end[task] = free[j] = start + seconds
+                out[j].append((task, start, end[task]))
+                position[j] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the stage orders deadlock: every next task waits for another")
+    return out
+
+
+def interval_idle_fractions(logs: Sequence[Sequence[tuple[Task, float, float]]]) -> list[float]:
+    """Each stage's idle share of the whole span (first start to last end), from its busy
+    intervals ``(task, start, end)``: measured logs or ``simulate``'s prediction alike."""
+    entries = [e for log in logs for e in log]
+    if not entries:
+        raise ValueError("the logs hold no task")
+    span = max(e for _, _, e in entries) - min(s for _, s, _ in entries)
+    if span <= 0:
+        raise ValueError("the logs span no time")
+    return [1.0 - sum(e - s for _, s, e in log) / span for log in logs]

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from accel import checks
 from accel.devices import parse_device
-from accel.parallel.pipeline import Task, stage_orders, validate_schedule
+from accel.parallel.pipeline import Task, interval_idle_fractions, stage_orders, validate_schedule
 from accel.training import make_update
 
 __all__ = ["Stage", "PipelineRun", "split_microbatches", "run_schedule", "make_pipeline_step",
@@ -211,8 +211,4 @@ def make_pipeline_step(stages: Sequence[Stage], loss_fn: Callable, optimizer, sc
 def measured_idle_fractions(run: PipelineRun) -> list[float]:
     """Each device's idle share of the run's span (first task start to last task end), from
     the busy intervals it logged: the bubble as measured, not as scheduled."""
-    entries = [e for log in run.log for e in log]
-    if not entries:
-        raise ValueError("the run logged no task")
-    span = max(end for _, _, end in entries) - min(start for _, start, _ in entries)
-    return [1.0 - sum(end - start for _, start, end in log) / span for log in run.log]
+    return interval_idle_fractions(run.log)

@@ -128,3 +128,20 @@ def test_the_module_imports_no_tensorflow():
     out = run_python("import sys\nfrom accel.parallel import pipeline\n"
                      "print('tensorflow' in sys.modules)")
     assert out.strip() == "False"
+
+
+def test_simulate_with_unit_times_is_the_clock_and_with_real_times_the_formula():
+    orders = pl.one_f_one_b_orders(8, 4)
+    logs = pl.simulate(orders, lambda task: 1.0)
+    clock = pl.one_f_one_b_schedule(8, 4)
+    when = {task: t for t, tasks in enumerate(clock) for task in tasks}
+    assert all(start == when[task] for log in logs for task, start, _ in log)
+    # backward twice as long as forward: the bubble is still (p-1)/(m+p-1) on every stage
+    logs = pl.simulate(pl.gpipe_orders(8, 4), lambda task: 2.0 if task[2] == "B" else 1.0)
+    assert pl.interval_idle_fractions(logs) == pytest.approx([3 / 11] * 4)
+    # one stage twice as slow: the others wait for it, and its own idle share shrinks
+    slow = pl.simulate(pl.gpipe_orders(8, 2), lambda task: 2.0 if task[0] == 1 else 1.0)
+    idle = pl.interval_idle_fractions(slow)
+    assert idle[1] < pl.bubble_fraction(2, 8) < idle[0]
+    with pytest.raises(ValueError, match=r"durations\(\(0, 0, 'F'\)\) must be a number >= 0"):
+        pl.simulate(pl.gpipe_orders(1, 1), lambda task: -1.0)

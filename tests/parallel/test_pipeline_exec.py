@@ -115,6 +115,8 @@ def test_measured_idle_fractions_from_a_written_log():
     run = pe.PipelineRun(0.0, [], log=[[(task, 0.0, 2.0), (task, 3.0, 4.0)],
                                        [(task, 1.0, 4.0)]])
     assert pe.measured_idle_fractions(run) == pytest.approx([0.25, 0.25])
+    with pytest.raises(ValueError, match="the logs hold no task"):
+        pe.measured_idle_fractions(pe.PipelineRun(0.0, [], log=[[], []]))
     ticks = itertools.count()  # one stage, one thread: every task takes one tick of this clock
     clocked = pe.run_schedule(dense_stages(["/cpu:0"], [4], models.mlp_init(SIZES)),
                               pl.gpipe_schedule(2, 1), tf.ones((4, 8)), tf.ones((4, 1)),
