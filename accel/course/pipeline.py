@@ -22,7 +22,8 @@ from accel.parallel import pipeline_exec as pe
 from accel.training import squared_error
 
 __all__ = ["dense_stages", "square_stages", "one_device_step", "measure_bubble",
-           "measure_fresh", "layer_times", "bench", "figure_schedules", "figure_bubble"]
+           "measure_fresh", "layer_times", "bench", "figure_schedules", "figure_bubble",
+           "check_exercise"]
 
 
 def dense_stages(params: Sequence, balance: Sequence[int], devices: Sequence[str]):
@@ -208,3 +209,25 @@ def figure_bubble(results: dict, num_stages: int = 2):
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def check_exercise(number: int, answer) -> str:
+    """The chapter's exercise checks: ``"not answered yet"`` for ``None``, else whether
+    ``answer`` is right. 1: the bubble fraction of 8 stages and 32 micro-batches (a number);
+    2: a schedule (list of ticks) for 2 stages and 3 micro-batches that ``validate_schedule``
+    accepts and whose first stage holds at most 2 micro-batches; 3: the fewest micro-batches
+    that keep an 8-stage pipeline at least 90% busy."""
+    checks.one_of("number", number, (1, 2, 3))
+    if answer is None:
+        return f"exercise {number}: not answered yet"
+    if number == 1:
+        ok = isinstance(answer, float | int) and abs(answer - pl.bubble_fraction(8, 32)) < 1e-9
+    elif number == 2:
+        try:
+            pl.validate_schedule(answer, 2, 3)
+            ok = pl.peak_in_flight(answer, 2)[0] <= 2
+        except (ValueError, TypeError):
+            ok = False
+    else:
+        ok = answer == next(m for m in range(1, 1000) if m / (m + 7) >= 0.9)
+    return f"exercise {number}: " + ("correct" if ok else "not quite, try again")

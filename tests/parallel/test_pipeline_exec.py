@@ -154,3 +154,15 @@ def test_a_failing_stage_is_reported_and_no_thread_is_left(batch, four_devices):
         pe.run_schedule(stages, pl.gpipe_schedule(4, 2), *batch, squared_error, 4)
     assert any("pipeline stage 1" in note for note in info.value.__notes__)
     assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-stage-")]
+
+
+def test_chapter_08_exercise_solutions():
+    from accel.course.pipeline import check_exercise
+
+    assert check_exercise(1, None) == "exercise 1: not answered yet"
+    assert check_exercise(1, 7 / 39) == "exercise 1: correct"
+    assert check_exercise(1, 7 / 32) == "exercise 1: not quite, try again"
+    assert check_exercise(2, pl.one_f_one_b_schedule(3, 2)) == "exercise 2: correct"
+    assert check_exercise(2, pl.gpipe_schedule(3, 2)) == "exercise 2: not quite, try again"
+    assert check_exercise(3, 63) == "exercise 3: correct"   # 63 / 70 = 0.9
+    assert check_exercise(3, 62) == "exercise 3: not quite, try again"
