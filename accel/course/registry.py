@@ -29,6 +29,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                "peak memory and step time: plain vs recompute vs mixed precision (chapter 04)"),
     "sync-async": ("accel.course.sync_async:bench_sync_async",
                    "throughput of sync, async and K-of-N with a 4x straggler (chapter 05)"),
+    "pipeline": ("accel.course.pipeline:bench",
+                 "the bubble vs (p-1)/(m+p-1), 1F1B vs GPipe, pipeline vs one device (chapter 08)"),
     "towers": ("accel.course.scaling:bench_towers",
                "step time of hand-written towers vs MirroredStrategy vs one device (chapter 06)"),
 }
@@ -42,6 +44,7 @@ FIGURES: dict[str, str] = {
     "04_memory.png": "accel.course.memory:figure_memory",
     "05_staleness.png": "accel.course.sync_async:figure_staleness",
     "06_scaling.png": "accel.course.scaling:figure_scaling",
+    "08_schedules.png": "accel.course.pipeline:figure_schedules",
 }
 
 

@@ -7,5 +7,7 @@
 - ``accel.parallel.data`` (06): data parallelism by hand, the towers recipe;
 - ``accel.parallel.mirrored`` (06): the same training with ``MirroredStrategy``;
 - ``accel.parallel.inputs`` (06): TFRecord files read back through ``tf.data``, split per tower;
-- ``accel.parallel.partition`` (07, 08): cutting a layer sequence into parts (pure functions).
+- ``accel.parallel.partition`` (07, 08): cutting a layer sequence into parts (pure functions);
+- ``accel.parallel.pipeline`` (08): pipeline schedules (GPipe, 1F1B) as plain data, no TensorFlow;
+- ``accel.parallel.pipeline_exec`` (08): running any such schedule on TensorFlow devices.
 """

@@ -1,0 +1,103 @@
+"""A cost model of a synchronous pipeline on real accelerators: stage time, the activations sent
+between stages, the bubble, and the activation memory a schedule stashes. A MODEL, not a
+measurement; figures come from ``accel.costmodel.hardware`` (cited there) or from you.
+
+Transformer activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (arXiv:2205.05198), count ``s b h (34 + 5 a s / h)`` bytes per layer for a
+micro-batch of ``b`` sequences of ``s`` tokens, hidden size ``h``, ``a`` attention heads, in 16-bit
+precision without recomputation. Forward FLOPs per layer: ``24 b s h^2 (1 + s / (6 h))``
+(Narayanan et al. 2021, arXiv:2104.04473, eq. 3 per layer, without the logit layer); a training
+step (forward + backward) is three times that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from accel import checks
+from accel.costmodel.hardware import link_bandwidth, peak_flops
+
+__all__ = ["PipelineEstimate", "transformer_layer_activation_bytes", "transformer_layer_flops",
+           "pipeline_step", "microbatches_for_efficiency", "stash_microbatches",
+           "gpu_stage_seconds"]
+
+
+def transformer_layer_activation_bytes(seq: int, batch: int, hidden: int, heads: int) -> float:
+    """Activation bytes one transformer layer keeps for the backward pass (16-bit, no
+    recomputation), per micro-batch: ``s b h (34 + 5 a s / h)`` (Korthikanti et al. 2022)."""
+    for name, v in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads)):
+        checks.positive_int(name, v)
+    return seq * batch * hidden * (34 + 5 * heads * seq / hidden)
+
+
+def transformer_layer_flops(seq: int, batch: int, hidden: int) -> float:
+    """Forward + backward FLOPs of one transformer layer: 3 x ``24 b s h^2 (1 + s / 6h)``."""
+    for name, v in (("seq", seq), ("batch", batch), ("hidden", hidden)):
+        checks.positive_int(name, v)
+    return 3 * 24 * batch * seq * hidden**2 * (1 + seq / (6 * hidden))
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """One modelled pipeline step (seconds) and what it implies."""
+
+    step_s: float
+    compute_s: float       # m x (stage time): the useful work of one stage
+    bubble_s: float        # (p - 1) x (stage time + transfer)
+    transfer_s: float      # per micro-batch and boundary: activations forward + gradients back
+
+    @property
+    def efficiency(self) -> float:
+        """Useful share of the step: compute / step."""
+        return self.compute_s / self.step_s
+
+
+def pipeline_step(stage_s: float, num_stages: int, num_microbatches: int,
+                  boundary_bytes: float = 0.0, link: str | None = None) -> PipelineEstimate:
+    """A balanced synchronous pipeline (GPipe or 1F1B: same step time): ``stage_s`` is one
+    stage's forward + backward time for one micro-batch; each micro-batch also sends
+    ``boundary_bytes`` of activations forward and as many gradient bytes back over ``link``
+    at every stage boundary, not overlapped with compute (a pessimistic bound). The clock has
+    ``m + p - 1`` slots of ``stage_s + transfer``."""
+    checks.non_negative_number("stage_s", stage_s)
+    checks.positive_int("num_stages", num_stages)
+    checks.positive_int("num_microbatches", num_microbatches)
+    checks.non_negative_number("boundary_bytes", boundary_bytes)
+    if boundary_bytes and link is None:
+        raise ValueError("boundary_bytes > 0 needs a link (a key of hardware.LINKS)")
+    transfer = 2 * boundary_bytes / link_bandwidth(link) if boundary_bytes else 0.0
+    transfer = transfer if num_stages > 1 else 0.0
+    slot = stage_s + transfer
+    m, p = num_microbatches, num_stages
+    return PipelineEstimate(step_s=(m + p - 1) * slot, compute_s=m * stage_s,
+                            bubble_s=(p - 1) * slot, transfer_s=transfer)
+
+
+def microbatches_for_efficiency(num_stages: int, target: float) -> int:
+    """The fewest micro-batches whose pipeline keeps ``target`` of the clock busy:
+    ``m / (m + p - 1) >= target``."""
+    checks.positive_int("num_stages", num_stages)
+    if not 0 < target < 1:
+        raise ValueError(f"target must be in (0, 1), got {target!r}")
+    m = 1
+    while m / (m + num_stages - 1) < target:
+        m += 1
+    return m
+
+
+def stash_microbatches(schedule: str, num_stages: int, num_microbatches: int) -> int:
+    """How many micro-batches' activations the first stage holds at its peak: ``m`` under GPipe,
+    ``min(p, m)`` under 1F1B (counted exactly on the schedules by ``pipeline.peak_in_flight``)."""
+    checks.one_of("schedule", schedule, ("gpipe", "1f1b"))
+    checks.positive_int("num_stages", num_stages)
+    checks.positive_int("num_microbatches", num_microbatches)
+    return num_microbatches if schedule == "gpipe" else min(num_stages, num_microbatches)
+
+
+def gpu_stage_seconds(flops: float, device: str = "NVIDIA A100", precision: str = "bf16",
+                      utilization: float = 0.5) -> float:
+    """Seconds to do ``flops`` on ``device`` at ``utilization`` of its dense peak."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
+    return checks.non_negative_number("flops", flops) / (peak_flops(device, precision)
+                                                         * utilization)

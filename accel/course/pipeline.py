@@ -1,0 +1,233 @@
+"""Chapter 08's experiments: pipelines of dense layers on logical devices, the bubble measured
+against its formula, unbalanced stages, the ``python -m accel bench pipeline`` benchmark and the
+chapter's figures.
+
+Measurements need one intra-op thread per process (two stages on two cores can then truly
+overlap): the chapter sets its process up that way; the benchmark, which shares its process with
+the others, measures in a fresh Python (``accel.procs.run_python``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from accel import checks, procs, timing, viz
+from accel.parallel import partition
+from accel.parallel import pipeline as pl
+from accel.parallel import pipeline_exec as pe
+from accel.training import squared_error
+
+__all__ = ["dense_stages", "square_stages", "one_device_step", "measure_bubble",
+           "measure_fresh", "layer_times", "bench", "figure_schedules", "figure_bubble",
+           "check_exercise"]
+
+
+def dense_stages(params: Sequence, balance: Sequence[int], devices: Sequence[str]):
+    """The MLP of ``accel.models.mlp_init`` (``[w0, b0, w1, b1, ...]``) cut by ``balance`` (in
+    layers), part ``s`` on ``devices[s]``: ReLU after every layer but the last."""
+    ranges = partition.part_ranges(partition.check_balance(balance, len(params) // 2))
+    stages = []
+    for s, (layers, device) in enumerate(zip(ranges, devices, strict=True)):
+        with tf.device(device):
+            variables = [tf.Variable(params[2 * k + j]) for k in layers for j in (0, 1)]
+        last = s == len(ranges) - 1
+
+        def fn(p, x, last=last):
+            for k in range(0, len(p), 2):
+                x = tf.matmul(x, p[k]) + p[k + 1]
+                if not (last and k + 2 == len(p)):
+                    x = tf.nn.relu(x)
+            return x
+
+        stages.append(pe.Stage(fn, variables, device))
+    return stages
+
+
+def square_stages(devices: Sequence[str], balance: Sequence[int], width: int = 512,
+                  seed: int = 0):
+    """Stages of ``width`` x ``width`` ReLU layers (``balance[s]`` of them on stage ``s``): equal
+    work per layer, so a stage's time is proportional to its number of layers."""
+    rng = np.random.default_rng(seed)
+    stages = []
+    for count, device in zip(balance, devices, strict=True):
+        with tf.device(device):
+            ws = [tf.Variable(rng.normal(0, width**-0.5, (width, width)).astype(np.float32))
+                  for _ in range(count)]
+
+        def fn(p, x):
+            for w in p:
+                x = tf.nn.relu(tf.matmul(x, w))
+            return x
+
+        stages.append(pe.Stage(fn, ws, device))
+    return stages
+
+
+def one_device_step(stages, x, y):
+    """A callable running the same layers' forward and backward on the first stage's device,
+    on the whole batch (the baseline of a pipeline's speed-up)."""
+    variables = [v for st in stages for v in st.params]
+
+    def run():
+        with tf.device(stages[0].device), tf.GradientTape() as tape:
+            h = x
+            for st in stages:
+                h = st.fn(st.params, h)
+            loss = tf.reduce_mean(squared_error(y, h))
+        return [g.numpy() for g in tape.gradient(loss, variables)][:1]
+
+    return run
+
+
+def _batch(m: int, microbatch: int, width: int):
+    rng = np.random.default_rng(m)
+    return (tf.constant(rng.normal(size=(m * microbatch, width)).astype(np.float32)),
+            tf.zeros((m * microbatch, width)))
+
+
+def measure_bubble(devices: Sequence[str], microbatches: Sequence[int] = (1, 2, 4, 8, 16),
+                   balance: Sequence[int] = (4, 4), width: int = 512, microbatch: int = 64,
+                   repeat: int = 3, schedule: str = "gpipe") -> dict:
+    """Run the pipeline of ``square_stages`` for each number of micro-batches (fixed micro-batch
+    size) and return, per ``m``: the measured idle fraction of each device (median over
+    ``repeat`` runs), the formula's, the median step time (first task start to last task end),
+    the peak stash per stage, the median task times, and the same layers' step on one device."""
+    make = {"gpipe": pl.gpipe_schedule, "1f1b": pl.one_f_one_b_schedule}[schedule]
+    stages = square_stages(devices[:len(balance)], balance, width)
+    p, out = len(balance), {}
+    for m in microbatches:
+        x, y = _batch(m, microbatch, width)
+        sched = make(m, p)
+        pe.run_schedule(stages, sched, x, y, squared_error, m)  # warm-up
+        runs = [pe.run_schedule(stages, sched, x, y, squared_error, m) for _ in range(repeat)]
+        spans = [max(e for log in r.log for *_, e in log) - min(s for log in r.log
+                                                                for _, s, _ in log)
+                 for r in runs]
+        idle = np.median([pe.measured_idle_fractions(r) for r in runs], axis=0)
+        single = timing.time_fn(one_device_step(stages, x, y), repeat=repeat)
+        out[m] = {"measured": [float(v) for v in idle], "formula": pl.bubble_fraction(p, m),
+                  "step_s": float(np.median(spans)), "peak_stash": runs[-1].peak_stash,
+                  "task_s": _task_times(runs[-1]), "one_device_s": single}
+    return out
+
+
+def _task_times(run) -> dict[str, float]:
+    """Median forward and backward task time over all stages of a run."""
+    times = {"F": [], "B": []}
+    for log in run.log:
+        for (_, _, phase), start, end in log:
+            times[phase].append(end - start)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def layer_times(stages, x, repeat: int = 5) -> list[float]:
+    """Median forward + backward seconds of each layer of ``square_stages`` alone: the costs a
+    time-based balance (``partition.balance_by_cost``) splits."""
+    out = []
+    for st in stages:
+        for w in st.params:
+            def one(w=w, device=st.device):
+                with tf.device(device), tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = tf.nn.relu(tf.matmul(x, w))
+                return tape.gradient(y, [x, w])[1].numpy()
+            out.append(timing.time_fn(one, repeat=repeat))
+    return out
+
+
+_FRESH = """
+import json
+from accel import devices
+from accel.course import pipeline as cp
+names = devices.setup(2, intra_op_threads=1)
+print("RESULT" + json.dumps(cp.{func}(names, **{kwargs!r})))
+"""
+
+
+def measure_fresh(func: str = "measure_bubble", **kwargs) -> dict:
+    """``measure_bubble`` (or another function of this module taking the devices first) in a
+    fresh Python with 2 logical devices and one intra-op thread."""
+    checks.one_of("func", func, ("measure_bubble",))
+    out = procs.run_python(_FRESH.format(func=func, kwargs=kwargs), timeout=600)
+    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
+    return {int(k) if k.isdigit() else k: v for k, v in json.loads(line[6:]).items()}
+
+
+def bench(device_names: Sequence[str], quick: bool = False) -> dict:
+    """``python -m accel bench pipeline``: the bubble for m = 1..16 against the formula, 1F1B vs
+    GPipe step time and stash, pipeline vs one device; measured in a fresh 2-device process
+    with one intra-op thread, next to this machine's 2-thread ceiling."""
+    ms = (1, 4) if quick else (1, 2, 4, 8, 16)
+    kw = dict(microbatches=ms, repeat=1 if quick else 3, width=128 if quick else 512)
+    gpipe, ofob = measure_fresh(**kw), measure_fresh(**kw, schedule="1f1b")
+    print("m   measured idle  (p-1)/(m+p-1)  difference  1F1B/GPipe step  stash GPipe/1F1B  "
+          "speed-up vs 1 device")
+    for m in ms:
+        got, want = float(np.mean(gpipe[m]["measured"])), gpipe[m]["formula"]
+        print(f"{m:<3d} {got:13.3f}  {want:13.3f}  {got - want:+10.3f}  "
+              f"{ofob[m]['step_s'] / gpipe[m]['step_s']:15.2f}  "
+              f"{max(gpipe[m]['peak_stash']):>11d}/{max(ofob[m]['peak_stash'])}  "
+              f"{gpipe[m]['one_device_s'] / gpipe[m]['step_s']:19.2f}x")
+    ceiling = timing.thread_ceiling(n=256 if quick else 1024)
+    print(f"this machine's ceiling (1-thread / 2-thread matmul time): {ceiling:.2f}x")
+    return {"gpipe": gpipe, "1f1b": ofob, "ceiling": ceiling}
+
+
+def figure_schedules(num_microbatches: int = 8, num_stages: int = 4):
+    """GPipe and 1F1B on the clock, one row per stage (pure schedule data, no measurement)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(10, 4.2), sharex=True)
+    for ax, (name, make) in zip(axes, (("GPipe", pl.gpipe_schedule),
+                                       ("1F1B", pl.one_f_one_b_schedule)), strict=True):
+        schedule = make(num_microbatches, num_stages)
+        bars = [(f"stage {s}", t, t + 1, f"{ph}{mb}") for t, tasks in enumerate(schedule)
+                for s, mb, ph in tasks]
+        viz.timeline(bars, ax=ax, title=f"{name}: {num_stages} stages, {num_microbatches} "
+                     f"micro-batches, idle {pl.idle_fraction(schedule, num_stages):.0%}",
+                     xlabel="clock tick")
+    fig.tight_layout()
+    return fig
+
+
+def figure_bubble(results: dict, num_stages: int = 2):
+    """Measured idle fraction against (p-1)/(m+p-1), from ``measure_bubble``'s result."""
+    import matplotlib.pyplot as plt
+
+    ms = sorted(results)
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fine = np.arange(1, max(ms) + 1)
+    ax.plot(fine, [pl.bubble_fraction(num_stages, m) for m in fine], "--", color="grey",
+            label="(p-1)/(m+p-1)")
+    ax.plot(ms, [np.mean(results[m]["measured"]) for m in ms], "o-", label="measured")
+    ax.set(xscale="log", xlabel="micro-batches m", ylabel="idle fraction", xticks=ms,
+           xticklabels=[str(m) for m in ms], title=f"the bubble, {num_stages} stages")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def check_exercise(number: int, answer) -> str:
+    """The chapter's exercise checks: ``"not answered yet"`` for ``None``, else whether
+    ``answer`` is right. 1: the bubble fraction of 8 stages and 32 micro-batches (a number);
+    2: a schedule (list of ticks) for 2 stages and 3 micro-batches that ``validate_schedule``
+    accepts and whose first stage holds at most 2 micro-batches; 3: the fewest micro-batches
+    that keep an 8-stage pipeline at least 90% busy."""
+    checks.one_of("number", number, (1, 2, 3))
+    if answer is None:
+        return f"exercise {number}: not answered yet"
+    if number == 1:
+        ok = isinstance(answer, float | int) and abs(answer - pl.bubble_fraction(8, 32)) < 1e-9
+    elif number == 2:
+        try:
+            pl.validate_schedule(answer, 2, 3)
+            ok = pl.peak_in_flight(answer, 2)[0] <= 2
+        except (ValueError, TypeError):
+            ok = False
+    else:
+        ok = answer == next(m for m in range(1, 1000) if m / (m + 7) >= 0.9)
+    return f"exercise {number}: " + ("correct" if ok else "not quite, try again")

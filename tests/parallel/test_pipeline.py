@@ -1,0 +1,147 @@
+"""accel.parallel.pipeline: schedules against tables written out by hand, the bubble formula,
+stash counts, validation. Pure Python: no TensorFlow is imported by the module."""
+
+import pytest
+
+from accel.parallel import pipeline as pl
+from accel.procs import run_python
+
+# GPipe, m = 4 micro-batches, p = 2 stages: forward of micro-batch i on stage j at tick i + j,
+# then the backwards in reverse, last stage first.
+GPIPE_4_2 = [
+    [(0, 0, "F")],
+    [(0, 1, "F"), (1, 0, "F")],
+    [(0, 2, "F"), (1, 1, "F")],
+    [(0, 3, "F"), (1, 2, "F")],
+    [(1, 3, "F")],
+    [(1, 3, "B")],
+    [(0, 3, "B"), (1, 2, "B")],
+    [(0, 2, "B"), (1, 1, "B")],
+    [(0, 1, "B"), (1, 0, "B")],
+    [(0, 0, "B")],
+]
+
+# 1F1B, m = 4, p = 2: stage 0 warms up with p - 0 - 1 = 1 extra forward, stage 1 with none.
+ONE_F_ONE_B_4_2 = [
+    [(0, 0, "F")],
+    [(0, 1, "F"), (1, 0, "F")],
+    [(1, 0, "B")],
+    [(0, 0, "B"), (1, 1, "F")],
+    [(0, 2, "F"), (1, 1, "B")],
+    [(0, 1, "B"), (1, 2, "F")],
+    [(0, 3, "F"), (1, 2, "B")],
+    [(0, 2, "B"), (1, 3, "F")],
+    [(1, 3, "B")],
+    [(0, 3, "B")],
+]
+
+# 1F1B, m = 2, p = 3: more stages than micro-batches, warm-ups cut at m.
+ONE_F_ONE_B_2_3 = [
+    [(0, 0, "F")],
+    [(0, 1, "F"), (1, 0, "F")],
+    [(1, 1, "F"), (2, 0, "F")],
+    [(2, 0, "B")],
+    [(1, 0, "B"), (2, 1, "F")],
+    [(0, 0, "B"), (2, 1, "B")],
+    [(1, 1, "B")],
+    [(0, 1, "B")],
+]
+
+
+def as_sets(schedule):
+    return [sorted(tick) for tick in schedule]
+
+
+def test_gpipe_against_the_table():
+    assert as_sets(pl.gpipe_schedule(4, 2)) == as_sets(GPIPE_4_2)
+
+
+def test_one_f_one_b_against_the_tables():
+    assert as_sets(pl.one_f_one_b_schedule(4, 2)) == as_sets(ONE_F_ONE_B_4_2)
+    assert as_sets(pl.one_f_one_b_schedule(2, 3)) == as_sets(ONE_F_ONE_B_2_3)
+
+
+@pytest.mark.parametrize("m, p", [(1, 2), (4, 2), (8, 4), (3, 3), (16, 2), (2, 5)])
+def test_forward_at_tick_i_plus_j_and_the_bubble_formula(m, p):
+    gpipe = pl.gpipe_schedule(m, p)
+    when = {task: t for t, tasks in enumerate(gpipe) for task in tasks}
+    assert all(when[(j, i, "F")] == i + j for i in range(m) for j in range(p))
+    for schedule in (gpipe, pl.one_f_one_b_schedule(m, p)):
+        pl.validate_schedule(schedule, p, m)
+        assert len(schedule) == 2 * (m + p - 1)
+        assert pl.idle_fraction(schedule, p) == pytest.approx((p - 1) / (m + p - 1))
+    assert pl.bubble_fraction(p, m) == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("m, p", [(4, 2), (8, 4), (2, 3), (16, 4)])
+def test_stash_gpipe_holds_m_and_1f1b_at_most_p(m, p):
+    assert pl.peak_in_flight(pl.gpipe_schedule(m, p), p) == [m] * p
+    assert pl.peak_in_flight(pl.one_f_one_b_schedule(m, p), p) == [min(p - j, m)
+                                                                   for j in range(p)]
+
+
+def test_stage_orders_and_text():
+    orders = pl.stage_orders(pl.one_f_one_b_schedule(4, 2), 2)
+    assert orders == pl.one_f_one_b_orders(4, 2)
+    assert [f"{ph}{i}" for _, i, ph in orders[0]] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2",
+                                                      "B3"]
+    text = pl.format_schedule(GPIPE_4_2, 2).splitlines()
+    assert text[1].split() == ["stage", "0", "F0", "F1", "F2", "F3", ".", ".", "B3", "B2", "B1",
+                               "B0"]
+    assert text[2].split()[2:] == [".", "F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0", "."]
+
+
+def test_a_reader_schedule_runs_through_clock_schedule():
+    """Any per-stage order works: all forwards first on stage 0, 1F1B on stage 1."""
+    orders = [pl.gpipe_orders(3, 2)[0], pl.one_f_one_b_orders(3, 2)[1]]
+    schedule = pl.clock_schedule(orders)
+    pl.validate_schedule(schedule, 2, 3)
+    assert pl.stage_orders(schedule, 2) == orders
+
+
+@pytest.mark.parametrize("schedule, message", [
+    ([[(0, 0, "B")], [(0, 0, "F")]], r"task \(0, 0, 'B'\) at tick 0 runs before \(0, 0, 'F'\)"),
+    ([[(0, 0, "F")]], r"the schedule drops task \(0, 0, 'B'\)"),
+    ([[(0, 0, "F")], [(0, 0, "F"), ]], r"task \(0, 0, 'F'\) runs twice"),
+    ([[(0, 0, "F"), (0, 1, "F")]], "a stage runs two tasks at once"),
+    ([[(2, 0, "F")]], r"\(2, 0, 'F'\) is not a \(stage < 1"),
+    ([[(0, 0, "X")]], r"\(0, 0, 'X'\) is not a"),
+])
+def test_validate_names_the_problem(schedule, message):
+    m = 2 if "two tasks" in message else 1
+    with pytest.raises(ValueError, match=message):
+        pl.validate_schedule(schedule, 1, m)
+
+
+def test_bad_sizes_and_deadlocks():
+    with pytest.raises(ValueError, match="num_microbatches must be an int >= 1, got 0"):
+        pl.gpipe_schedule(0, 2)
+    with pytest.raises(ValueError, match="num_stages must be an int >= 1, got -1"):
+        pl.one_f_one_b_schedule(4, -1)
+    with pytest.raises(ValueError, match="the stage orders deadlock at tick 0"):
+        pl.clock_schedule([[(0, 0, "B"), (0, 0, "F")]])
+    with pytest.raises(ValueError, match=r"stage 0's order holds \(1, 0, 'F'\)"):
+        pl.clock_schedule([[(1, 0, "F")]])
+
+
+def test_the_module_imports_no_tensorflow():
+    out = run_python("import sys\nfrom accel.parallel import pipeline\n"
+                     "print('tensorflow' in sys.modules)")
+    assert out.strip() == "False"
+
+
+def test_simulate_with_unit_times_is_the_clock_and_with_real_times_the_formula():
+    orders = pl.one_f_one_b_orders(8, 4)
+    logs = pl.simulate(orders, lambda task: 1.0)
+    clock = pl.one_f_one_b_schedule(8, 4)
+    when = {task: t for t, tasks in enumerate(clock) for task in tasks}
+    assert all(start == when[task] for log in logs for task, start, _ in log)
+    # backward twice as long as forward: the bubble is still (p-1)/(m+p-1) on every stage
+    logs = pl.simulate(pl.gpipe_orders(8, 4), lambda task: 2.0 if task[2] == "B" else 1.0)
+    assert pl.interval_idle_fractions(logs) == pytest.approx([3 / 11] * 4)
+    # one stage twice as slow: the others wait for it, and its own idle share shrinks
+    slow = pl.simulate(pl.gpipe_orders(8, 2), lambda task: 2.0 if task[0] == 1 else 1.0)
+    idle = pl.interval_idle_fractions(slow)
+    assert idle[1] < pl.bubble_fraction(2, 8) < idle[0]
+    with pytest.raises(ValueError, match=r"durations\(\(0, 0, 'F'\)\) must be a number >= 0"):
+        pl.simulate(pl.gpipe_orders(1, 1), lambda task: -1.0)

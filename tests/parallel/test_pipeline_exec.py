@@ -1,0 +1,168 @@
+"""accel.parallel.pipeline_exec: any schedule run on devices equals the single-device step
+(loss, gradients, weights after a few updates); each device ran its tasks in the schedule's
+order; stash counts are exact; bad input is refused before anything runs."""
+
+import itertools
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accel import data, models
+from accel.parallel import partition
+from accel.parallel import pipeline as pl
+from accel.parallel import pipeline_exec as pe
+from accel.training import squared_error
+
+SIZES = [8, 16, 16, 16, 1]  # 4 dense layers
+LR = 0.05
+
+
+def assert_close(actual, ref):
+    ref = np.asarray(ref, np.float64)
+    np.testing.assert_allclose(actual, ref, rtol=1e-5, atol=1e-6 * max(np.abs(ref).max(), 1e-30))
+
+
+def dense_stages(devices, balance, params):
+    """The MLP's layers cut by ``balance``, stage s on devices[s] (last layer linear)."""
+    ranges = partition.part_ranges(balance)
+    stages = []
+    for s, (r, device) in enumerate(zip(ranges, devices, strict=True)):
+        with tf.device(device):
+            ps = [tf.Variable(params[2 * k + j]) for k in r for j in (0, 1)]
+        last = s == len(ranges) - 1
+
+        def fn(p, x, last=last):
+            for k in range(0, len(p), 2):
+                x = tf.matmul(x, p[k]) + p[k + 1]
+                if not (last and k + 2 == len(p)):
+                    x = tf.nn.relu(x)
+            return x
+
+        stages.append(pe.Stage(fn, ps, device))
+    return stages
+
+
+@pytest.fixture(scope="module")
+def batch():
+    x, y, _ = data.regression(32, SIZES[0], SIZES[-1], seed=3)
+    return tf.constant(x), tf.constant(y)
+
+
+def single_device(params, x, y, steps=0):
+    vs = [tf.Variable(p) for p in params]
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(squared_error(y, models.mlp_apply(vs, x)))
+        for v, g in zip(vs, tape.gradient(loss, vs), strict=True):
+            v.assign_sub(LR * g)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(squared_error(y, models.mlp_apply(vs, x)))
+    return float(loss), [g.numpy() for g in tape.gradient(loss, vs)], [v.numpy() for v in vs]
+
+
+SCHEDULES = {"gpipe": pl.gpipe_schedule, "1f1b": pl.one_f_one_b_schedule}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (4, 8)])
+def test_pipeline_equals_single_device(name, p, m, batch, four_devices):
+    params = models.mlp_init(SIZES, seed=1)
+    schedule = SCHEDULES[name](m, p)
+    stages = dense_stages(four_devices[:p], partition.balance_by_count(4, p), params)
+    run = pe.run_schedule(stages, schedule, *batch, squared_error, m)
+    loss, grads, _ = single_device(params, *batch)
+    assert_close(run.loss, loss)
+    for got, want in zip([g for stage in run.grads for g in stage], grads, strict=True):
+        assert_close(got.numpy(), want)
+    assert run.orders() == pl.stage_orders(schedule, p)  # recorded as it ran
+    expected = [m] * p if name == "gpipe" else [min(p - j, m) for j in range(p)]
+    assert run.peak_stash == expected
+    for s, stage in enumerate(stages):  # each stage's variables live on its device
+        assert {v.device.split("/")[-1] for v in stage.params} == {four_devices[s].split("/")[-1]}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_weights_after_three_steps_and_recompute(name, batch, four_devices):
+    params = models.mlp_init(SIZES, seed=2)
+    for recompute in (False, True):
+        stages = dense_stages(four_devices[:2], [3, 1], params)
+        step = pe.make_pipeline_step(stages, squared_error, LR, SCHEDULES[name](4, 2), 4,
+                                     recompute=recompute)
+        for _ in range(3):
+            step(*batch)
+        _, _, weights = single_device(params, *batch, steps=3)
+        for got, want in zip([v.numpy() for st in stages for v in st.params], weights,
+                             strict=True):
+            assert_close(got, want)
+
+
+def test_any_schedule_in_the_format_runs(batch, four_devices):
+    """A reader's own schedule: stage 0 in GPipe order, stage 1 in 1F1B order."""
+    params = models.mlp_init(SIZES, seed=4)
+    schedule = pl.clock_schedule([pl.gpipe_orders(4, 2)[0], pl.one_f_one_b_orders(4, 2)[1]])
+    run = pe.run_schedule(dense_stages(four_devices[:2], [2, 2], params), schedule, *batch,
+                          squared_error, 4)
+    _, grads, _ = single_device(params, *batch)
+    for got, want in zip([g for stage in run.grads for g in stage], grads, strict=True):
+        assert_close(got.numpy(), want)
+    assert run.orders() == pl.stage_orders(schedule, 2)
+
+
+def test_measured_idle_fractions_from_a_written_log():
+    task = (0, 0, "F")
+    run = pe.PipelineRun(0.0, [], log=[[(task, 0.0, 2.0), (task, 3.0, 4.0)],
+                                       [(task, 1.0, 4.0)]])
+    assert pe.measured_idle_fractions(run) == pytest.approx([0.25, 0.25])
+    with pytest.raises(ValueError, match="the logs hold no task"):
+        pe.measured_idle_fractions(pe.PipelineRun(0.0, [], log=[[], []]))
+    ticks = itertools.count()  # one stage, one thread: every task takes one tick of this clock
+    clocked = pe.run_schedule(dense_stages(["/cpu:0"], [4], models.mlp_init(SIZES)),
+                              pl.gpipe_schedule(2, 1), tf.ones((4, 8)), tf.ones((4, 1)),
+                              squared_error, 2, clock=lambda: float(next(ticks)))
+    assert [(start, end) for _, start, end in clocked.log[0]] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert pe.measured_idle_fractions(clocked) == pytest.approx([3 / 7])
+
+
+def test_bad_input_is_refused_before_running(batch, four_devices):
+    stages = dense_stages(four_devices[:2], [2, 2], models.mlp_init(SIZES))
+    with pytest.raises(ValueError, match="num_microbatches must be an int >= 1, got 0"):
+        pe.run_schedule(stages, pl.gpipe_schedule(1, 2), *batch, squared_error, 0)
+    with pytest.raises(ValueError, match="a batch of 32 examples .* does not split into 5"):
+        pe.run_schedule(stages, pl.gpipe_schedule(5, 2), *batch, squared_error, 5)
+    backwards_first = [[(1, 0, "B")], [(1, 0, "F")], [(0, 0, "F")], [(0, 0, "B")]]
+    with pytest.raises(ValueError, match=r"task \(1, 0, 'B'\) at tick 0 runs before"):
+        pe.run_schedule(stages, backwards_first, *batch, squared_error, 1)
+    with pytest.raises(ValueError, match=r"the schedule drops task \(1, 0, 'F'\)"):
+        pe.run_schedule(stages, pl.gpipe_schedule(2, 1), *batch, squared_error, 2)
+    with pytest.raises(ValueError, match="stages is empty"):
+        pe.run_schedule([], pl.gpipe_schedule(1, 1), *batch, squared_error, 1)
+    bad = [pe.Stage(stages[0].fn, stages[0].params, "/gpu:x")]
+    with pytest.raises(ValueError, match="cannot parse 'gpu:x'"):
+        pe.run_schedule(bad, pl.gpipe_schedule(1, 1), *batch, squared_error, 1)
+
+
+def test_a_failing_stage_is_reported_and_no_thread_is_left(batch, four_devices):
+    stages = dense_stages(four_devices[:2], [2, 2], models.mlp_init(SIZES))
+
+    def broken(p, x):
+        raise RuntimeError("stage exploded")
+
+    stages[1] = pe.Stage(broken, stages[1].params, stages[1].device)
+    with pytest.raises(RuntimeError, match="stage exploded") as info:
+        pe.run_schedule(stages, pl.gpipe_schedule(4, 2), *batch, squared_error, 4)
+    assert any("pipeline stage 1" in note for note in info.value.__notes__)
+    assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-stage-")]
+
+
+def test_chapter_08_exercise_solutions():
+    from accel.course.pipeline import check_exercise
+
+    assert check_exercise(1, None) == "exercise 1: not answered yet"
+    assert check_exercise(1, 7 / 39) == "exercise 1: correct"
+    assert check_exercise(1, 7 / 32) == "exercise 1: not quite, try again"
+    assert check_exercise(2, pl.one_f_one_b_schedule(3, 2)) == "exercise 2: correct"
+    assert check_exercise(2, pl.gpipe_schedule(3, 2)) == "exercise 2: not quite, try again"
+    assert check_exercise(3, 63) == "exercise 3: correct"   # 63 / 70 = 0.9
+    assert check_exercise(3, 62) == "exercise 3: not quite, try again"
