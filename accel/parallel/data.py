@@ -1,4 +1,4 @@
-"""Single-machine data parallelism: the "towers" recipe by hand, and the same with MirroredStrategy.
+"""Single-machine data parallelism by hand: the "towers" recipe.
 
 The towers recipe (one model replica, a *tower*, per device):
 
