@@ -37,7 +37,7 @@ nbval: $(STAMP)  ## re-execute the chapters and compare with their stored output
 
 execute: $(STAMP)  ## re-run notebooks in place (NB=chapters/01_devices.ipynb for one)
 	for nb in $(NB); do \
-	  PYTEST_CURRENT_TEST=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+	  PYTEST_CURRENT_TEST=1 ACCEL_SAVE_FIGURES=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.timeout=300 $$nb || exit 1; done
 
 images: $(STAMP)  ## regenerate the figures in images/ from code (FIG=06_scaling.png for one)

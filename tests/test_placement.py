@@ -114,7 +114,7 @@ def test_placement_of_rejects_bad_targets():
     with pytest.raises(ValueError, match="target must be a callable or tf.function .* got int"):
         placement.placement_of(42)
     with tf.compat.v1.Session(graph=tf.Graph(), config=placement.session_config()) as sess:
-        with pytest.raises(ValueError, match=r"pass feeds as feed_dict, not positional.* \(got 1 args"):
+        with pytest.raises(ValueError, match=r"feeds as feed_dict, not positional.* \(got 1 args"):
             placement.placement_of([], 1, session=sess)
 
 

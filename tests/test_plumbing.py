@@ -175,3 +175,13 @@ def test_run_python_returns_stdout_and_reports_failures_and_timeouts():
         procs.run_python("import time; time.sleep(30)", timeout=0.5)
     with pytest.raises(ValueError, match="timeout must be > 0"):
         procs.run_python("pass", timeout=0)
+
+
+def test_measured_figures_are_saved_only_by_make_execute(tmp_path, monkeypatch):
+    fig = viz.bars({"a": 1.0}, "x")
+    monkeypatch.delenv("ACCEL_SAVE_FIGURES", raising=False)
+    assert registry.save_measured_figure(fig, "m.png", out=tmp_path) is None
+    assert not (tmp_path / "m.png").exists()
+    monkeypatch.setenv("ACCEL_SAVE_FIGURES", "1")
+    assert registry.save_measured_figure(fig, "m.png", out=tmp_path) == tmp_path / "m.png"
+    assert (tmp_path / "m.png").stat().st_size > 1000

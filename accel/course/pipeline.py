@@ -21,9 +21,9 @@ from accel.parallel import pipeline as pl
 from accel.parallel import pipeline_exec as pe
 from accel.training import squared_error
 
-__all__ = ["dense_stages", "square_stages", "one_device_step", "measure_bubble",
-           "measure_fresh", "layer_times", "bench", "figure_schedules", "figure_bubble",
-           "check_exercise"]
+__all__ = ["dense_stages", "square_stages", "one_device_step", "make_batch", "measure_bubble",
+           "stage_phase_times", "measure_fresh", "layer_times", "bench", "figure_schedules",
+           "figure_bubble", "check_exercise"]
 
 
 def dense_stages(params: Sequence, balance: Sequence[int], devices: Sequence[str]):
@@ -83,7 +83,8 @@ def one_device_step(stages, x, y):
     return run
 
 
-def _batch(m: int, microbatch: int, width: int):
+def make_batch(m: int, microbatch: int = 64, width: int = 512):
+    """A reproducible batch of ``m`` micro-batches of ``microbatch`` rows for ``square_stages``."""
     rng = np.random.default_rng(m)
     return (tf.constant(rng.normal(size=(m * microbatch, width)).astype(np.float32)),
             tf.zeros((m * microbatch, width)))
@@ -100,7 +101,7 @@ def measure_bubble(devices: Sequence[str], microbatches: Sequence[int] = (1, 2, 
     stages = square_stages(devices[:len(balance)], balance, width)
     p, out = len(balance), {}
     for m in microbatches:
-        x, y = _batch(m, microbatch, width)
+        x, y = make_batch(m, microbatch, width)
         sched = make(m, p)
         pe.run_schedule(stages, sched, x, y, squared_error, m)  # warm-up
         runs = [pe.run_schedule(stages, sched, x, y, squared_error, m) for _ in range(repeat)]
@@ -113,6 +114,16 @@ def measure_bubble(devices: Sequence[str], microbatches: Sequence[int] = (1, 2, 
                   "step_s": float(np.median(spans)), "peak_stash": runs[-1].peak_stash,
                   "task_s": _task_times(runs[-1]), "one_device_s": single}
     return out
+
+
+def stage_phase_times(run) -> dict[tuple[int, str], float]:
+    """Median seconds of each stage's forward and backward tasks in a run:
+    ``{(stage, "F"): ..., (stage, "B"): ...}`` (what ``pipeline.simulate`` can replay)."""
+    times: dict[tuple[int, str], list[float]] = {}
+    for log in run.log:
+        for (stage, _, phase), start, end in log:
+            times.setdefault((stage, phase), []).append(end - start)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def _task_times(run) -> dict[str, float]:

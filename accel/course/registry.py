@@ -11,13 +11,14 @@ with. Timings never appear in unit tests.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from accel import devices
 
 __all__ = ["BENCHMARKS", "FIGURES", "BENCH_DEVICES", "get", "run", "run_all", "list_lines",
-           "save_figures"]
+           "save_figures", "save_measured_figure"]
 
 BENCH_DEVICES = 4
 
@@ -100,3 +101,15 @@ def save_figures(out: str | Path = "images", names: Sequence[str] | None = None)
         plt.close(fig)
         saved.append(path)
     return saved
+
+
+def save_measured_figure(fig, name: str, out: str | Path = "../images") -> Path | None:
+    """Save a figure that shows a measurement of this run, from the notebook cell that shows it,
+    but only while ``make execute`` stores the chapter's outputs (it sets ``ACCEL_SAVE_FIGURES=1``):
+    the stored numbers and the saved figure then come from the same run, and re-running the
+    chapter (nbval, JupyterLab) leaves ``images/`` alone. Returns the path written, or ``None``."""
+    if os.environ.get("ACCEL_SAVE_FIGURES") != "1":
+        return None
+    path = Path(out) / name
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path

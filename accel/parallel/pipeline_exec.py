@@ -109,13 +109,14 @@ class _Run:
         x = self.micro[i][0] if s == 0 else self.outputs.pop((s - 1, i))
         with tf.device(stage.device):
             x = tf.identity(x)
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                out = stage.fn(stage.params, x)
-                if last:
-                    share = x.shape[0] / sum(int(m[0].shape[0]) for m in self.micro)
-                    out = tf.reduce_mean(self.loss_fn(self.micro[i][1], out)) * share
-        self.stash[(s, i)] = (x,) if self.recompute else (x, tape, out)
+            if self.recompute:  # keep nothing but x: no tape records this forward
+                out = self._stage_out(s, i, x)
+                self.stash[(s, i)] = (x,)
+            else:
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    out = self._stage_out(s, i, x)
+                self.stash[(s, i)] = (x, tape, out)
         if last:
             self.losses[i] = out
         else:
@@ -124,27 +125,34 @@ class _Run:
             self.held[s] += 1
             self.peak[s] = max(self.peak[s], self.held[s])
 
+    def _stage_out(self, s: int, i: int, x):
+        """The stage's output; on the last stage, the micro-batch's loss weighted by its share."""
+        stage = self.stages[s]
+        out = stage.fn(stage.params, x)
+        if s == len(self.stages) - 1:
+            share = x.shape[0] / sum(int(m[0].shape[0]) for m in self.micro)
+            out = tf.reduce_mean(self.loss_fn(self.micro[i][1], out)) * share
+        return out
+
     def backward(self, s: int, i: int) -> None:
         stage, last = self.stages[s], s == len(self.stages) - 1
         saved = self.stash.pop((s, i))
         with tf.device(stage.device):
             if self.recompute:  # run the forward again, now under a tape
-                with tf.GradientTape() as tape:
-                    tape.watch(saved[0])
-                    out = stage.fn(stage.params, saved[0])
-                    if last:
-                        share = saved[0].shape[0] / sum(int(m[0].shape[0]) for m in self.micro)
-                        out = tf.reduce_mean(self.loss_fn(self.micro[i][1], out)) * share
                 x = saved[0]
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    out = self._stage_out(s, i, x)
             else:
                 x, tape, out = saved
             upstream = None if last else self.input_grads.pop((s + 1, i))
-            grads = tape.gradient(out, [x, *stage.params], output_gradients=upstream)
+            sources = [*stage.params] if s == 0 else [x, *stage.params]  # stage 0: no dx needed
+            grads = tape.gradient(out, sources, output_gradients=upstream)
         if s > 0:
-            self.input_grads[(s, i)] = grads[0]
+            self.input_grads[(s, i)], grads = grads[0], grads[1:]
         acc = self.grads[s]
-        self.grads[s] = list(grads[1:]) if acc is None else [a + g for a, g in
-                                                             zip(acc, grads[1:], strict=True)]
+        self.grads[s] = list(grads) if acc is None else [a + g for a, g in
+                                                         zip(acc, grads, strict=True)]
         with self.lock:
             self.held[s] -= 1
 
@@ -192,14 +200,26 @@ def run_schedule(stages: Sequence[Stage], schedule, x, y, loss_fn: Callable,
 
 def make_pipeline_step(stages: Sequence[Stage], loss_fn: Callable, optimizer, schedule,
                        num_microbatches: int, recompute: bool = False):
-    """A training step ``step(x, y) -> PipelineRun``: ``run_schedule`` then one update per
-    stage, on its device (``optimizer``: a learning rate or an optimizer per
-    ``accel.training.make_update``; one optimizer object is shared by all stages)."""
+    """A training step ``step(x, y) -> PipelineRun``: ``run_schedule``, then one update per batch.
+
+    ``optimizer``: a learning rate (plain SGD, each stage's update on its own device) or one
+    optimizer object for the whole model (built on all stages' variables; one
+    ``apply_gradients`` per step, so its step counter advances once per batch).
+    """
     stages = list(stages)
-    updates = [make_update(optimizer, st.params, st.device) for st in stages]
+    variables = [v for st in stages for v in st.params]
+    one_optimizer = checks.learning_rate(optimizer) is None
+    if one_optimizer:
+        updates = [make_update(optimizer, variables)]
+    else:
+        updates = [make_update(optimizer, st.params, st.device) for st in stages]
 
     def step(x, y) -> PipelineRun:
         result = run_schedule(stages, schedule, x, y, loss_fn, num_microbatches, recompute)
+        if one_optimizer:
+            grads = [g for stage_grads in result.grads for g in stage_grads]
+            updates[0](list(zip(grads, variables, strict=True)))
+            return result
         for st, update, grads in zip(stages, updates, result.grads, strict=True):
             with tf.device(st.device):
                 update(list(zip(grads, st.params, strict=True)))

@@ -9,7 +9,7 @@ def test_transformer_figures_by_hand():
     # s=2048, b=1, h=4096, a=32: 2048*4096*(34 + 5*32*2048/4096) = 2048*4096*114 bytes
     assert cp.transformer_layer_activation_bytes(2048, 1, 4096, 32) == 2048 * 4096 * 114
     # 3 * 24 * 1 * 2048 * 4096^2 * (1 + 2048 / 24576)
-    assert cp.transformer_layer_flops(2048, 1, 4096) == pytest.approx(
+    assert cp.transformer_layer_train_flops(2048, 1, 4096) == pytest.approx(
         3 * 24 * 2048 * 4096**2 * (1 + 1 / 12))
 
 
@@ -37,7 +37,7 @@ def test_microbatches_and_stash():
     (lambda: cp.pipeline_step(-1, 2, 4), "stage_s must be a number >= 0, got -1"),
     (lambda: cp.microbatches_for_efficiency(4, 1.0), r"target must be in \(0, 1\), got 1.0"),
     (lambda: cp.stash_microbatches("zb", 4, 4), "schedule must be one of .* got 'zb'"),
-    (lambda: cp.transformer_layer_flops(0, 1, 8), "seq must be an int >= 1, got 0"),
+    (lambda: cp.transformer_layer_train_flops(0, 1, 8), "seq must be an int >= 1, got 0"),
 ])
 def test_bad_input(call, message):
     with pytest.raises(ValueError, match=message):

@@ -98,6 +98,24 @@ def test_weights_after_three_steps_and_recompute(name, batch, four_devices):
             assert_close(got, want)
 
 
+def test_a_keras_optimizer_with_momentum_equals_one_device(batch, four_devices):
+    """One Keras optimizer for all stages: built on every stage's variables, stepped once per
+    batch; against Keras' own SGD with momentum on one device."""
+    params = models.mlp_init(SIZES, seed=5)
+    stages = dense_stages(four_devices[:2], [2, 2], params)
+    step = pe.make_pipeline_step(stages, squared_error, tf.keras.optimizers.SGD(LR, momentum=0.9),
+                                 pl.one_f_one_b_schedule(4, 2), 4)
+    ref = [tf.Variable(p) for p in params]
+    opt = tf.keras.optimizers.SGD(LR, momentum=0.9)
+    for _ in range(3):
+        step(*batch)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(squared_error(batch[1], models.mlp_apply(ref, batch[0])))
+        opt.apply_gradients(zip(tape.gradient(loss, ref), ref, strict=True))
+    for got, want in zip([v.numpy() for st in stages for v in st.params], ref, strict=True):
+        assert_close(got, want.numpy())
+
+
 def test_any_schedule_in_the_format_runs(batch, four_devices):
     """A reader's own schedule: stage 0 in GPipe order, stage 1 in 1F1B order."""
     params = models.mlp_init(SIZES, seed=4)
