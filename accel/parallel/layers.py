@@ -6,7 +6,8 @@ tensors, in the order of ``arrays``). ``describe_layers(layers, input_shape)`` c
 layers chain (each takes its predecessor's output: a ``ValueError`` naming the layer and the
 shape otherwise) and returns one ``LayerSpec`` per layer: name, function, initial arrays,
 output shape per example and parameter bytes. ``run_layers`` applies specs in order;
-``layer_times`` measures each layer's forward and backward time (a cost to balance by).
+``layer_times`` measures each layer's forward and backward time (a cost to balance by);
+``mlp_layers(sizes)`` is the course's MLP (``accel.models.mlp_init``) as such a list.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-from accel import checks, timing
+from accel import checks, models, timing
 from accel.devices import parse_device
 
-__all__ = ["LayerSpec", "describe_layers", "run_layers", "layer_times"]
+__all__ = ["LayerSpec", "describe_layers", "run_layers", "layer_times", "dense", "linear",
+           "mlp_layers"]
 
 
 @dataclass(frozen=True)
@@ -111,3 +113,21 @@ def layer_times(specs: Sequence[LayerSpec], input_shape: Sequence[int], batch: i
         out.append(timing.time_fn(lambda s=step, x=x: s(x).numpy(), repeat=repeat))
         shape = spec.output_shape
     return out
+
+
+def dense(params, x):
+    """A ReLU layer: ``relu(x @ w + b)`` with ``params = [w, b]``."""
+    return tf.nn.relu(tf.matmul(x, params[0]) + params[1])
+
+
+def linear(params, x):
+    """A linear layer: ``x @ w + b`` with ``params = [w, b]``."""
+    return tf.matmul(x, params[0]) + params[1]
+
+
+def mlp_layers(sizes: Sequence[int], seed: int = 0) -> list[tuple]:
+    """``accel.models.mlp_init(sizes, seed)`` as ``(fn, [w, b])`` layers: ReLU between layers, a
+    linear last layer, so running them equals ``accel.models.mlp_apply``."""
+    arrays = models.mlp_init(list(sizes), seed)
+    n = len(arrays) // 2
+    return [(dense if i < n - 1 else linear, arrays[2 * i:2 * i + 2]) for i in range(n)]
