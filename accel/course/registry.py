@@ -29,6 +29,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                "peak memory and step time: plain vs recompute vs mixed precision (chapter 04)"),
     "sync-async": ("accel.course.sync_async:bench_sync_async",
                    "throughput of sync, async and K-of-N with a 4x straggler (chapter 05)"),
+    "model-parallel": ("accel.course.model_parallel:bench",
+                       "split step vs one device, RNN wavefront vs layer after layer, idle "
+                       "fractions (chapter 07)"),
     "towers": ("accel.course.scaling:bench_towers",
                "step time of hand-written towers vs MirroredStrategy vs one device (chapter 06)"),
 }

@@ -92,6 +92,16 @@ def run_layers(specs: Sequence[LayerSpec], params: Sequence[Sequence], x):
     return x
 
 
+def _grad_step(spec: LayerSpec, params: list, device: str):
+    @tf.function
+    def step(x):
+        with tf.device(device), tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(spec.fn(params, x))
+        return tape.gradient(y, [x, *params])[0]
+    return step
+
+
 def layer_times(specs: Sequence[LayerSpec], input_shape: Sequence[int], batch: int,
                 device: str = "/cpu:0", repeat: int = 5) -> list[float]:
     """Measured seconds of each layer's forward and backward pass on ``batch`` examples (for
@@ -104,12 +114,7 @@ def layer_times(specs: Sequence[LayerSpec], input_shape: Sequence[int], batch: i
             params = [tf.Variable(a) for a in spec.arrays]
             x = tf.zeros((batch, *shape))
 
-        @tf.function
-        def step(x, spec=spec, params=params):
-            with tf.device(device), tf.GradientTape() as tape:
-                tape.watch(x)
-                y = tf.reduce_sum(spec.fn(params, x))
-            return tape.gradient(y, [x, *params])[0]
+        step = _grad_step(spec, params, device)
         out.append(timing.time_fn(lambda s=step, x=x: s(x).numpy(), repeat=repeat))
         shape = spec.output_shape
     return out
