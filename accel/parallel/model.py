@@ -16,7 +16,12 @@ The pieces, all plain data so that pipelines (chapter 08) can reuse them:
   (forward) and their gradients (backward) cross devices. ``replicas=[[devices of replica 0],
   [devices of replica 1], ...]`` adds data parallelism (hybrid): the batch is split over the
   replicas, every replica runs all parts on its own devices, part ``p``'s gradients are averaged
-  on the device holding its variables;
+  on the device holding its variables. Each part keeps its own ``GradientTape`` and calls
+  ``tape.gradient`` under its device: in TF 2.21 a tape's gradient ops are not placed with
+  their forward ops but follow the device scope around the ``gradient()`` call (with none, they
+  land on one device and pull every activation there); ``tf.gradients`` inside a
+  ``tf.function`` does colocate them. An optimizer object builds its slots where it
+  is first built; a learning rate (plain SGD) needs no slots;
 * ``build_graph(partition, loss_fn, learning_rate, x_shape, y_shape)``: the same step in TF1 form
   (a ``tf.Graph`` with ``tf.device`` per part, ``GradientDescentOptimizer`` with gradients
   colocated), to run in a session with ``accel.placement.session_config()``.
