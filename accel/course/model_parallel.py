@@ -11,7 +11,6 @@ memory per device, and the ``python -m accel bench model-parallel`` benchmark.
   parallel (chapter 04's estimate over the variables each device holds);
 * ``bench``: split step vs one device (4 and 2 devices), wavefront vs layer after layer, idle
   fractions next to (p-1)/p, and the machine's thread ceiling.
-
 The byte counts of the seed's splits are ``accel.course.model_splits``.
 """
 
@@ -29,11 +28,13 @@ from accel.parallel import model as mp
 from accel.parallel import trace
 from accel.parallel.data import make_single_step
 from accel.parallel.layers import mlp_layers
+from accel.parallel.partition import balance_by_cost, part_costs
 from accel.training import squared_error
 
-__all__ = ["TRACE_SIZES", "naive_trace", "figure_timeline", "rnn_forward", "wavefront_times",
-           "measure_wavefront", "memory_per_device", "format_memory", "split_vs_single", "bench",
-           "check_bytes", "check_balance", "EXERCISE_SIZES", "EXERCISE_COSTS"]
+__all__ = ["TRACE_SIZES", "naive_trace", "figure_timeline", "rnn_forward", "rnn_overlap",
+           "wavefront_times", "measure_wavefront", "memory_per_device", "format_memory",
+           "split_vs_single", "bench", "check_bytes", "check_balance", "EXERCISE_SIZES",
+           "EXERCISE_COSTS"]
 
 TRACE_SIZES = (256, 512, 512, 512, 512, 512, 512, 512, 64)  # 8 layers
 RNN = {"hidden": 256, "batch": 64, "steps": 24}
@@ -97,26 +98,57 @@ def rnn_forward(device_names: Sequence[str], mode: str = "wavefront", layers: in
             weights.append([tf.Variable(rng.normal(0, h_dim ** -0.5, (h_dim, h_dim))
                                         .astype(np.float32)) for _ in range(2)])
 
-    @tf.function
-    def forward(xs):
-        inputs = tf.unstack(xs)
-        for dev, (w, u) in zip(device_names, weights, strict=True):
+    return tf.function(lambda xs: _rnn_body(device_names, weights, xs, mode))
+
+
+def _rnn_body(device_names, weights, xs, mode: str):
+    inputs = tf.unstack(xs)
+    for dev, (w, u) in zip(device_names, weights, strict=True):
+        with tf.device(dev):
+            if mode == "layer after layer":
+                with tf.control_dependencies(inputs):  # all of the previous layer first
+                    inputs = [tf.identity(i) for i in inputs]
+            h, outs = tf.zeros_like(inputs[0]), []
+            for x in inputs:
+                h = tf.tanh(x @ w + h @ u)
+                outs.append(h)
+        inputs = outs
+    return tf.stack(inputs)
+
+
+def _both_busy(a: list, b: list) -> float:
+    """Seconds during which two merged interval lists overlap."""
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
+
+
+def rnn_overlap(device_names: Sequence[str], mode: str, warmup: int = 2) -> float:
+    """The share of one traced TF1 run of the RNN during which both devices were busy at once
+    (from ``FULL_TRACE`` step stats, so it holds even when the machine's cores are shared)."""
+    h_dim = RNN["hidden"]
+    rng = np.random.default_rng(0)
+    g = tf.Graph()
+    with g.as_default():
+        weights = []
+        for dev in device_names[:2]:
             with tf.device(dev):
-                if mode == "layer after layer":
-                    with tf.control_dependencies(inputs):  # all of the previous layer first
-                        inputs = [tf.identity(i) for i in inputs]
-                h, outs = tf.zeros_like(inputs[0]), []
-                for x in inputs:
-                    h = tf.tanh(x @ w + h @ u)
-                    outs.append(h)
-            inputs = outs
-        return tf.stack(inputs)
-    return forward
+                weights.append([tf.constant(rng.normal(0, h_dim ** -0.5, (h_dim, h_dim))
+                                             .astype(np.float32)) for _ in range(2)])
+        xs = tf.compat.v1.placeholder(tf.float32, (RNN["steps"], RNN["batch"], h_dim))
+        out = _rnn_body(device_names[:2], weights, xs, mode)
+    feed = {xs: rng.normal(size=xs.shape.as_list()).astype(np.float32)}
+    with tf.compat.v1.Session(graph=g, config=placement.session_config()) as sess:
+        for _ in range(warmup):
+            sess.run(out, feed)
+        _, meta = trace.traced_run(sess, out, feed)
+    iv = trace.busy_intervals(meta.step_stats, device_names[:2])
+    span = max(b for v in iv.values() for _, b in v) - min(a for v in iv.values() for a, _ in v)
+    return _both_busy(*iv.values()) / span
 
 
 def wavefront_times(device_names: Sequence[str], rounds: int = 5, repeat: int = 3) -> dict:
     """Median seconds of the RNN's forward pass: wavefront and layer after layer on two devices,
-    and both layers on one device; and whether all three give the same outputs."""
+    and both layers on one device; whether all three give the same outputs; and the share of a
+    traced run during which both devices were busy, for both modes (``rnn_overlap``)."""
     xs = tf.constant(np.random.default_rng(1).normal(
         size=(RNN["steps"], RNN["batch"], RNN["hidden"])).astype(np.float32))
     fns = {"one device": rnn_forward([device_names[0]] * 2),
@@ -128,7 +160,10 @@ def wavefront_times(device_names: Sequence[str], rounds: int = 5, repeat: int = 
         for k, f in fns.items():
             samples[k].append(timing.time_fn(lambda f=f: f(xs).numpy(), repeat=repeat, warmup=0))
     same = all(np.allclose(o, outs["one device"], rtol=1e-5, atol=1e-6) for o in outs.values())
-    return {**{k: float(np.median(v)) for k, v in samples.items()}, "same outputs": same}
+    overlap = {f"both busy ({m})": rnn_overlap(device_names, m)
+               for m in ("wavefront", "layer after layer")}
+    return {**{k: float(np.median(v)) for k, v in samples.items()}, "same outputs": same,
+            **overlap}
 
 
 _CHILD = """
@@ -224,7 +259,10 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
                  f"{w['layer after layer'] * 1e3:.1f} ms, "
                  f"one device {w['one device'] * 1e3:.1f} ms")
     lines.append(f"wavefront speed-up over layer after layer: {out['wavefront_speedup']:.2f}x "
-                 f"(goal >= 1.6x, limit 2x); this machine's 2-thread ceiling: {ceiling:.2f}x")
+                 f"(goal >= 1.6x, limit 2x); this machine's 2-thread ceiling: {ceiling:.2f}x; "
+                 f"both devices busy: {w['both busy (wavefront)']:.0%} of a traced wavefront "
+                 f"run, {w['both busy (layer after layer)']:.0%} layer after layer")
+    out.update({k: w[k] for k in ("both busy (wavefront)", "both busy (layer after layer)")})
     print("\n".join(lines))
     return out
 
@@ -253,8 +291,6 @@ def check_balance(answer) -> str:
     slowest part is fastest."""
     if answer is None:
         return "not yet: set answer to a list of two part sizes"
-    from accel.parallel.partition import balance_by_cost, part_costs
-
     best = max(part_costs(EXERCISE_COSTS, balance_by_cost(EXERCISE_COSTS, 2)))
     try:
         mine = max(part_costs(EXERCISE_COSTS, answer))
