@@ -13,6 +13,7 @@ plumbing     accel.checks (all)                argument checks: ValueError namin
              accel.viz (all)                   generic plots: bars, curves, timelines
 costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, with sources
              accel.costmodel.steps (01-06)     FLOPs of a run, copy times, data-parallel step time
+             accel.costmodel.model_parallel    naive model parallelism on GPUs: step, idle (07)
              accel.costmodel.pipeline (08)     pipeline step, bubble, transformer activations
 part I       accel.devices (01)                device names, physical vs logical devices, setup()
              accel.kernels (03)                the kernel registry: op x device type x dtype
@@ -28,10 +29,14 @@ part III     accel.parallel.staleness (05)     the server's decision rules, reco
              accel.parallel.mirrored (06)      the same with MirroredStrategy
              accel.parallel.inputs (06)        TFRecord files through tf.data, split per tower
              accel.parallel.partition (07-08)  cutting layers into balanced parts (pure)
+             accel.parallel.layers (07-08)     a model as a list of layers (fn, arrays) / Keras
+             accel.parallel.model (07)         model parallelism: split, split step (TF2, TF1),
+                                               hybrid replicas x stages
+             accel.parallel.trace (07-)        bytes crossing devices; per-device busy time
              accel.parallel.pipeline (08)      GPipe / 1F1B schedules as data (pure, no TF)
              accel.parallel.pipeline_exec (08) running any schedule on devices, a thread a stage
 course       accel.course.registry             benchmarks (python -m accel bench) and figures
-             accel.course.* (01-06)            each chapter's experiments, figures and toy set-ups;
+             accel.course.* (01-08)            each chapter's experiments, figures and toy set-ups;
                                                the only code that calls accel.devices.setup()
 
 Importing ``accel`` sets two environment variables (unless you set them) *before* TensorFlow is

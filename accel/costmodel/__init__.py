@@ -6,5 +6,7 @@ wherever a chapter prints it.
 - ``accel.costmodel.hardware``: peak FLOP/s per precision and link bandwidths, each with its source;
 - ``accel.costmodel.steps``: FLOPs of a training run, transfer times, the step time of synchronous
   data parallelism under three ways of exchanging gradients;
+- ``accel.costmodel.model_parallel``: naive model parallelism of a model too big for one GPU
+  (memory per GPU, step time, transfer time, idle share) over PCIe vs NVLink;
 - ``accel.costmodel.pipeline``: a pipeline's step time and bubble, transformer activations.
 """

@@ -30,6 +30,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                "peak memory and step time: plain vs recompute vs mixed precision (chapter 04)"),
     "sync-async": ("accel.course.sync_async:bench_sync_async",
                    "throughput of sync, async and K-of-N with a 4x straggler (chapter 05)"),
+    "model-parallel": ("accel.course.model_parallel:bench",
+                       "split step vs one device, RNN wavefront vs layer after layer, idle "
+                       "fractions (chapter 07)"),
     "pipeline": ("accel.course.pipeline:bench",
                  "the bubble vs (p-1)/(m+p-1), 1F1B vs GPipe, pipeline vs one device (chapter 08)"),
     "towers": ("accel.course.scaling:bench_towers",

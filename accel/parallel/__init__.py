@@ -8,6 +8,11 @@
 - ``accel.parallel.mirrored`` (06): the same training with ``MirroredStrategy``;
 - ``accel.parallel.inputs`` (06): TFRecord files read back through ``tf.data``, split per tower;
 - ``accel.parallel.partition`` (07, 08): cutting a layer sequence into parts (pure functions);
+- ``accel.parallel.layers`` (07, 08): a model as a list of layers, checked to chain;
+- ``accel.parallel.model`` (07): model parallelism: a partition over devices, its training step
+  (TF2 and TF1 forms), hybrid replicas x stages;
+- ``accel.parallel.trace`` (07): what crossed between devices (bytes) and when each device was
+  busy, from what TensorFlow executed;
 - ``accel.parallel.pipeline`` (08): pipeline schedules (GPipe, 1F1B) as plain data, no TensorFlow;
 - ``accel.parallel.pipeline_exec`` (08): running any such schedule on TensorFlow devices.
 """

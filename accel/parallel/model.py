@@ -1,0 +1,274 @@
+"""Model parallelism: one model's layers cut into consecutive parts, one part per device.
+
+The pieces, all plain data so that pipelines (chapter 08) can reuse them:
+
+* a **layer** is a Keras layer or a pair ``(fn, arrays)``, described (and checked to chain) by
+  ``accel.parallel.layers.describe_layers`` as a ``LayerSpec``;
+* ``split(layers, devices, input_shape, balance)`` cuts them into a ``Partition``: ``balance`` is
+  ``"count"`` (equal layer counts), ``"bytes"`` (equal parameter bytes), ``"time"`` (equal
+  measured time, with ``times=accel.parallel.layers.layer_times(...)``) or an explicit list of
+  part sizes.
+  ``Partition.parts`` are ``Part`` rows: index, device, layer indices, parameter bytes, output
+  shape. A *stage* of a pipeline is one part: its layers on its device;
+* ``SplitModel(partition)`` creates each part's variables on its device; ``run_part`` runs one;
+* ``make_split_step(model, loss_fn, optimizer)``: one training step as a ``tf.function``; each
+  part's forward and backward ops run under ``tf.device(its device)``, only activations
+  (forward) and their gradients (backward) cross devices. ``replicas=[[devices of replica 0],
+  [devices of replica 1], ...]`` adds data parallelism (hybrid): the batch is split over the
+  replicas, every replica runs all parts on its own devices, part ``p``'s gradients are averaged
+  on the device holding its variables. Each part keeps its own ``GradientTape`` and calls
+  ``tape.gradient`` under its device: in TF 2.21 a tape's gradient ops are not placed with
+  their forward ops but follow the device scope around the ``gradient()`` call (with none, they
+  land on one device and pull every activation there); ``tf.gradients`` inside a
+  ``tf.function`` does colocate them. An optimizer object builds its slots where it
+  is first built; a learning rate (plain SGD) needs no slots;
+* ``build_graph(partition, loss_fn, learning_rate, x_shape, y_shape)``: the same step in TF1 form
+  (a ``tf.Graph`` with ``tf.device`` per part, ``GradientDescentOptimizer`` with gradients
+  colocated), to run in a session with ``accel.placement.session_config()``.
+
+What crossed between devices in a run, and when each device was busy: ``accel.parallel.trace``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import tensorflow as tf
+
+from accel import checks
+from accel.devices import parse_device
+from accel.parallel.data import average_gradients, split_batch
+from accel.parallel.layers import LayerSpec, describe_layers, run_layers
+from accel.parallel.partition import balance_by_cost, balance_by_count, check_balance, part_ranges
+from accel.training import make_update
+
+__all__ = ["Part", "Partition", "BALANCES", "split", "SplitModel", "make_split_step", "SplitGraph",
+           "build_graph"]
+
+BALANCES = ("count", "bytes", "time")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a partition: which layers run on which device."""
+
+    index: int
+    device: str
+    layers: tuple[int, ...]
+    names: tuple[str, ...]
+    param_bytes: int
+    output_shape: tuple
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Consecutive parts of a layer sequence, one per device (``parts`` are plain rows)."""
+
+    parts: tuple[Part, ...]
+    input_shape: tuple
+    specs: tuple[LayerSpec, ...] = field(repr=False)
+
+    @property
+    def balance(self) -> list[int]:
+        return [len(p.layers) for p in self.parts]
+
+    @property
+    def devices(self) -> list[str]:
+        return [p.device for p in self.parts]
+
+    def boundary_bytes(self, batch: int, dtype_size: int = 4) -> list[int]:
+        """Bytes of the activation crossing each boundary between consecutive parts (the same
+        again crosses back as its gradient): ``batch`` x the part's output size x dtype size."""
+        checks.positive_int("batch", batch)
+        return [batch * math.prod(p.output_shape) * dtype_size for p in self.parts[:-1]]
+
+    def format(self) -> str:
+        """One line per part: device, layers, parameter bytes, output shape per example."""
+        lines = [f"{'part':>4}  {'device':14}  {'layers':18}  {'param bytes':>11}  output"]
+        for p in self.parts:
+            layers = f"{p.layers[0]}..{p.layers[-1]}" if len(p.layers) > 1 else f"{p.layers[0]}"
+            lines.append(f"{p.index:>4}  {p.device:14}  {layers + f' ({len(p.layers)})':18}  "
+                         f"{p.param_bytes:>11,}  {list(p.output_shape)}")
+        return "\n".join(lines)
+
+
+def split(layers: Sequence, devices: Sequence[str], input_shape: Sequence[int],
+          balance: str | Sequence[int] = "count", times: Sequence[float] | None = None
+          ) -> Partition:
+    """Cut ``layers`` (Keras layers, ``(fn, arrays)`` pairs, or ``LayerSpec`` s) into one
+    consecutive part per device of ``devices``; see the module docstring for ``balance``."""
+    devices = list(devices)
+    if not devices:
+        raise ValueError("devices is empty: give one device name per part")
+    names = [parse_device(d).to_string() for d in devices]
+    specs = list(layers) if layers and all(isinstance(s, LayerSpec) for s in layers) \
+        else describe_layers(layers, input_shape)
+    n = len(specs)
+    if isinstance(balance, str):
+        checks.one_of("balance", balance, BALANCES)
+        if balance == "count":
+            sizes = balance_by_count(n, len(names))
+        elif balance == "bytes":
+            sizes = balance_by_cost([s.param_bytes for s in specs], len(names))
+        else:
+            if times is None or len(times) != n:
+                raise ValueError(f"balance='time' needs times= with one time per layer ({n}), "
+                                 f"got {None if times is None else len(times)}")
+            sizes = balance_by_cost(list(times), len(names))
+    else:
+        sizes = check_balance(balance, n)
+        if len(sizes) != len(names):
+            raise ValueError(f"balance {sizes} has {len(sizes)} parts for {len(names)} devices")
+    parts = tuple(
+        Part(i, dev, tuple(r), tuple(specs[j].name for j in r),
+             sum(specs[j].param_bytes for j in r), specs[r[-1]].output_shape)
+        for i, (dev, r) in enumerate(zip(names, part_ranges(sizes), strict=True)))
+    return Partition(parts, tuple(int(d) for d in input_shape), tuple(specs))
+
+
+class SplitModel:
+    """A partition with variables: part ``p``'s layers' variables live on its device."""
+
+    def __init__(self, partition: Partition):
+        self.partition = partition
+        self.params: list[list[list[tf.Variable]]] = []  # [part][layer in part][weight]
+        for part in partition.parts:
+            with tf.device(part.device):
+                self.params.append([[tf.Variable(a, name=f"part{part.index}_layer{j}_w{k}")
+                                     for k, a in enumerate(partition.specs[j].arrays)]
+                                    for j in part.layers])
+
+    def variables(self, part: int | None = None) -> list[tf.Variable]:
+        """All variables in layer order, or those of one part."""
+        chosen = self.params if part is None else [self.params[part]]
+        return [v for p in chosen for layer in p for v in layer]
+
+    def run_part(self, p: int, x):
+        """Part ``p``'s layers on ``x`` (under the caller's device scope)."""
+        part = self.partition.parts[p]
+        return run_layers([self.partition.specs[j] for j in part.layers], self.params[p], x)
+
+    def __call__(self, x):
+        for p, part in enumerate(self.partition.parts):
+            with tf.device(part.device):
+                x = self.run_part(p, x)
+        return x
+
+
+def _check_replicas(replicas, num_parts: int) -> list[list[str]]:
+    out = []
+    for r, devs in enumerate(replicas):
+        if len(devs) != num_parts:
+            raise ValueError(f"replica {r} lists {len(devs)} devices for {num_parts} parts")
+        out.append([parse_device(d).to_string() for d in devs])
+    if not out:
+        raise ValueError("replicas is empty: give one list of devices per replica")
+    return out
+
+
+def make_split_step(model: SplitModel | Partition, loss_fn: Callable, optimizer,
+                    replicas: Sequence[Sequence[str]] | None = None):
+    """One training step of a split model as a ``tf.function`` ``step(x, y) -> mean loss``.
+
+    ``loss_fn(y_true, y_pred)`` returns per-example losses; ``optimizer`` is a learning rate
+    (plain SGD, applied on each variable's device) or an optimizer. ``step.model`` is the
+    ``SplitModel`` (a ``Partition`` is given variables first); ``step.gradients(x, y)`` returns
+    the loss and the gradients (in ``step.model.variables()`` order) without applying them."""
+    model = model if isinstance(model, SplitModel) else SplitModel(model)
+    parts = model.partition.parts
+    reps = _check_replicas(replicas or [[p.device for p in parts]], len(parts))
+    variables = model.variables()
+    update = make_update(optimizer, variables)
+
+    def one_replica(r, devs, x, y):
+        grads = [None] * len(parts)
+        saved, h, loss = [], x, None
+        for p, dev in enumerate(devs):
+            with tf.device(dev), tf.name_scope(f"r{r}_forward_{p}"):
+                with tf.GradientTape() as tape:
+                    tape.watch(h)
+                    out = model.run_part(p, h)
+                    if p == len(devs) - 1:
+                        loss = tf.reduce_mean(loss_fn(y, out))
+            saved.append((tape, h, out))
+            h = out
+        upstream = None
+        for p in reversed(range(len(devs))):
+            tape, inp, out = saved[p]
+            with tf.device(devs[p]), tf.name_scope(f"r{r}_backward_{p}"):
+                target, seed = (loss, None) if upstream is None else (out, upstream)
+                g = tape.gradient(target, [inp, *model.variables(p)], output_gradients=seed)
+            upstream, grads[p] = g[0], g[1:]
+        return loss, [gv for p in range(len(parts)) for gv in grads[p]]
+
+    def compute(x, y):
+        shards = split_batch((x, y), len(reps)) if len(reps) > 1 else [(x, y)]
+        losses, tower = [], []
+        for r, (devs, (xs, ys)) in enumerate(zip(reps, shards, strict=True)):
+            loss, grads = one_replica(r, devs, xs, ys)
+            losses.append(loss)
+            tower.append(list(zip(grads, variables, strict=True)))
+        pairs = []
+        for p, part in enumerate(parts):
+            with tf.device(part.device), tf.name_scope(f"update_{p}"):
+                own = [[gv for gv in t if any(gv[1] is v for v in model.variables(p))]
+                       for t in tower]
+                pairs += average_gradients(own) if len(reps) > 1 else own[0]
+        return tf.add_n(losses) / float(len(losses)), pairs
+
+    @tf.function
+    def step(x, y):
+        loss, pairs = compute(x, y)
+        update(pairs)
+        return loss
+
+    @tf.function
+    def gradients(x, y):
+        loss, pairs = compute(x, y)
+        return loss, [g for g, _ in pairs]
+
+    step.model = model
+    step.gradients = gradients
+    return step
+
+
+@dataclass
+class SplitGraph:
+    """The TF1 form of a split step: run ``train_op`` (and ``loss``) feeding ``x`` and ``y``."""
+
+    graph: tf.Graph
+    x: tf.Tensor
+    y: tf.Tensor
+    output: tf.Tensor
+    loss: tf.Tensor
+    train_op: tf.Operation
+    init_op: tf.Operation
+    variables: list = field(default_factory=list)  # per part
+
+
+def build_graph(partition: Partition, loss_fn: Callable, learning_rate: float,
+                x_shape: Sequence[int], y_shape: Sequence[int]) -> SplitGraph:
+    """The split step as a TF1 graph: variables and ops of each part under ``tf.device``, plain
+    SGD with ``colocate_gradients_with_ops=True`` (each gradient op on its forward op's
+    device). Run it in ``tf.compat.v1.Session(graph=g.graph, config=session_config())``."""
+    lr = checks.positive_number("learning_rate", learning_rate)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, list(x_shape), name="x")
+        y = tf.compat.v1.placeholder(tf.float32, list(y_shape), name="y")
+        per_part, h = [], x
+        for part in partition.parts:
+            with tf.device(part.device), tf.compat.v1.variable_scope(f"part_{part.index}"):
+                params = [[tf.compat.v1.Variable(a, name=f"layer{j}_w{k}", use_resource=True)
+                           for k, a in enumerate(partition.specs[j].arrays)]
+                          for j in part.layers]
+                h = run_layers([partition.specs[j] for j in part.layers], params, h)
+            per_part.append([v for layer in params for v in layer])
+        with tf.device(partition.parts[-1].device):
+            loss = tf.reduce_mean(loss_fn(y, h), name="loss")
+        opt = tf.compat.v1.train.GradientDescentOptimizer(lr)
+        train_op = opt.minimize(loss, colocate_gradients_with_ops=True)
+        init_op = tf.compat.v1.global_variables_initializer()
+    return SplitGraph(graph, x, y, h, loss, train_op, init_op, per_part)

@@ -1,0 +1,64 @@
+"""accel.course.model_parallel / model_splits: byte counts and memory against hand counts, the
+wavefront's variants against each other's outputs, and the exercises' solutions."""
+
+import numpy as np
+
+from accel.course import model_parallel as course
+from accel.course import model_splits as ms
+from accel.parallel import model as mp
+from accel.parallel.layers import mlp_layers
+
+B, W = ms.SPLIT_BATCH, ms.DENSE_WIDTH
+
+
+def test_split_byte_counts_by_hand(four_devices):
+    counts = ms.count_splits(four_devices[:2])
+    act = B * W * 4  # one [32, 256] float32 activation
+    assert counts["dense, split by layers"] == {"forward": act, "backward": act,
+                                                "total": 2 * act}
+    # by neurons: the input reaches device 1, then after each of the first 3 layers each
+    # device sends its half ([32, 128]) to the other (the step fetches no loss, so the last
+    # layer's halves are not gathered: TensorFlow prunes what nothing needs)
+    half = act // 2
+    assert counts["dense, split by neurons"]["forward"] == act + 3 * 2 * half
+    cnn = counts["CNN, two towers (AlexNet)"]
+    every = counts["CNN, split by channels"]
+    assert cnn["total"] < every["total"]
+    # towers: the image to tower 1 (32x32x3), conv2 outputs both ways (8x8x32) and the
+    # flattened features both ways (4x4x32 = 512 each)
+    assert cnn["forward"] == 4 * B * (32 * 32 * 3 + 2 * 8 * 8 * 32 + 2 * 512)
+
+
+def test_memory_per_device_is_the_variables_there(four_devices):
+    sizes = [8, 16, 16, 4]
+    model = mp.SplitModel(mp.split(mlp_layers(sizes), four_devices[:3], [8]))
+    mem = course.memory_per_device(model)
+    per_layer = [(8 * 16 + 16) * 4, (16 * 16 + 16) * 4, (16 * 4 + 4) * 4]
+    for dev, b in zip(four_devices[:3], per_layer, strict=True):
+        e = mem[dev]["split"]
+        assert (e.weights, e.gradients, e.optimizer_slots) == (b, b, 2 * b)
+        assert mem[dev]["data parallel"].weights == sum(per_layer)
+
+
+def test_wavefront_variants_compute_the_same(four_devices):
+    res = course.wavefront_times(four_devices[:2], rounds=1, repeat=1)
+    assert res["same outputs"] is True
+    # forced layer after layer, the traced run never has both devices busy at once
+    assert res["both busy (layer after layer)"] == 0.0
+
+
+def test_exercise_solutions(four_devices):
+    assert course.check_bytes(None, four_devices).startswith("not yet")
+    # 2 boundaries x [64, 1024] float32 x (forward + backward)
+    assert course.check_bytes(2 * 2 * 64 * 1024 * 4, four_devices) == "right"
+    assert course.check_bytes(64 * 1024 * 4, four_devices).startswith("not quite")
+    assert course.check_balance(None).startswith("not yet")
+    assert course.check_balance([1, 5]) == "right"
+    assert course.check_balance([3, 3]).startswith("not quite")
+
+
+def test_naive_trace_lists_every_device(four_devices):
+    res = course.naive_trace(four_devices, sizes=(8, 16, 16, 16, 4), batch=8, warmup=1)
+    assert list(res["idle"]) == four_devices
+    assert all(0 <= f < 1 for f in res["idle"].values())
+    assert np.isfinite(res["span"])
