@@ -130,7 +130,7 @@ def in_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: list, lr
                     apply = opt.apply_gradients(zip(grads[w], params, strict=True))
                 with tf.control_dependencies([apply]):
                     train.append(version.assign_add(1))
-        with tf.compat.v1.Session(target, config=_config([])) as sess:
+        with tf.compat.v1.Session(target, config=_config(["/job:ps", "/job:worker"])) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             start = time.perf_counter()
             records = []
