@@ -32,8 +32,8 @@ from accel.distributed.cluster import task_device
 from accel.parallel.staleness import UpdateRecord
 from accel.procs import start_python
 
-__all__ = ["MODES", "RunResult", "global_batches", "reference_sgd", "in_graph", "between_graph",
-           "read_params", "client"]
+__all__ = ["MODES", "RunResult", "global_batches", "reference_sgd", "single_process", "in_graph",
+           "between_graph", "read_params", "client"]
 
 MODES = ("sync", "async")
 PS = task_device("ps", 0)
@@ -72,6 +72,22 @@ def reference_sgd(init: list[np.ndarray], batches: list, lr: float) -> list[np.n
         for p, g in zip(params, tape.gradient(loss, params), strict=True):
             p.assign_sub(lr * g)
     return [p.numpy() for p in params]
+
+
+def single_process(init: list[np.ndarray], batches: list, lr: float) -> RunResult:
+    """The baseline: the same TF1 graph and SGD step on the global batch, one local session."""
+    with tf.Graph().as_default():
+        params = [tf.Variable(p) for p in init]
+        xb = tf.compat.v1.placeholder(tf.float32, (None,) + batches[0][0].shape[1:])
+        yb = tf.compat.v1.placeholder(tf.float32, (None,) + batches[0][1].shape[1:])
+        train = tf.compat.v1.train.GradientDescentOptimizer(lr).minimize(_loss(params, xb, yb))
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            start = time.perf_counter()
+            for x, y in batches:
+                sess.run(train, {xb: x, yb: y})
+            seconds = time.perf_counter() - start
+            return RunResult("single process", sess.run(params), len(batches), seconds)
 
 
 def _ps_variables(init: list[np.ndarray]) -> list:
