@@ -7,15 +7,35 @@ import signal
 import socket
 import sys
 
-import psutil
 import pytest
+
+try:
+    import psutil
+except ImportError:  # not a declared dependency (ipykernel brings it): read /proc instead
+    psutil = None
 
 from accel.distributed import cluster as C
 
 
-def my_children() -> list:
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
+def child_pids() -> set[int]:
+    """Live (not zombie) descendants of this test process."""
+    if psutil is not None:
+        return {p.pid for p in psutil.Process().children(recursive=True)
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
+    parents = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
 
 
 def test_tf_config_is_the_documented_json_and_parses_back():
@@ -49,6 +69,7 @@ def test_make_cluster_gives_distinct_free_ports_on_the_host():
 
 
 def test_a_port_in_use_is_named_before_anything_starts():
+    before = child_pids()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -57,11 +78,12 @@ def test_a_port_in_use_is_named_before_anything_starts():
         with pytest.raises(RuntimeError, match=f"ps:0 cannot start: its address {address} is "
                                                "already in use"):
             C.LocalCluster(cluster=spec).start()
-    assert my_children() == []
+    assert child_pids() == before
 
 
 @pytest.mark.slow
 def test_a_server_dying_at_start_up_is_named_with_its_error():
+    before = child_pids()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -70,14 +92,16 @@ def test_a_server_dying_at_start_up_is_named_with_its_error():
         with pytest.raises(RuntimeError, match=rf"(?s)ps:0 at {address} died at start-up "
                                                r"\(exit 1\).*Could not start gRPC server"):
             C.LocalCluster(cluster=spec, check_ports=False, timeout=90).start()
-    assert my_children() == []
+    assert child_pids() == before  # the worker that did start was ended too
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    before = child_pids()
     with C.LocalCluster(ps=1, workers=2, timeout=90) as c:
+        assert child_pids() - before == set(c.pids().values())
         yield c
-    assert my_children() == []
+    assert child_pids() == before
 
 
 @pytest.mark.slow
@@ -112,10 +136,10 @@ def test_nothing_listening_is_the_same_clear_error():
 def test_other_loopback_addresses_and_interrupts_end_every_process():
     spec = {"ps": [f"127.0.0.2:{C.free_ports(1, '127.0.0.2')[0]}"],
             "worker": [f"127.0.0.3:{C.free_ports(1, '127.0.0.3')[0]}"]}
-    before = {p.pid for p in my_children()}  # the module's cluster may be running
+    before = child_pids()  # the module's cluster may be running
     with pytest.raises(KeyboardInterrupt):
         with C.LocalCluster(cluster=spec, timeout=90) as c:
             assert C.ping(c.cluster, "worker", 0) == 2 and C.ping(c.cluster, "ps", 0) == 2
-            assert {p.pid for p in my_children()} - before == set(c.pids().values())
+            assert child_pids() - before == set(c.pids().values())
             raise KeyboardInterrupt
-    assert {p.pid for p in my_children()} == before
+    assert child_pids() == before
