@@ -35,8 +35,16 @@ part III     accel.parallel.staleness (05)     the server's decision rules, reco
              accel.parallel.trace (07-)        bytes crossing devices; per-device busy time
              accel.parallel.pipeline (08)      GPipe / 1F1B schedules as data (pure, no TF)
              accel.parallel.pipeline_exec (08) running any schedule on devices, a thread a stage
+part IV      accel.distributed.cluster (10)    cluster specs, TF_CONFIG, LocalCluster: one server
+                                               process per task, always ended, clear errors
+             accel.distributed.replication     in-graph / between-graph x sync / async (TF1,
+                                               SyncReplicasOptimizer) on a cluster (10)
+             accel.distributed.shared (10)     state shared across sessions and processes,
+                                               variables on ps tasks by bytes, ensembles
+             accel.distributed.tf2_runs (10)   ParameterServerStrategy + ClusterCoordinator and
+                                               MultiWorkerMirroredStrategy as processes
 course       accel.course.registry             benchmarks (python -m accel bench) and figures
-             accel.course.* (01-08)            each chapter's experiments, figures and toy set-ups;
+             accel.course.* (01-08, 10)        each chapter's experiments, figures and toy set-ups;
                                                the only code that calls accel.devices.setup()
 
 Importing ``accel`` sets two environment variables (unless you set them) *before* TensorFlow is

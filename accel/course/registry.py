@@ -24,6 +24,8 @@ BENCH_DEVICES = 4
 
 # name -> ("module:function", one-line description)
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "cluster": ("accel.course.clusters:bench",
+                "start-up of 1 ps + 2 workers; the four replication combinations (chapter 10)"),
     "copy-cost": ("accel.course.copy_cost:bench",
                   "ops hopping between devices; a big tensor used elsewhere (chapter 02)"),
     "memory": ("accel.course.memory:bench_memory",

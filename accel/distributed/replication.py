@@ -1,0 +1,293 @@
+"""The four ways to replicate training on a cluster, as TF1 graphs (``tf.compat.v1``).
+
+* **in-graph**: one client builds one graph holding a replica per worker task and runs it;
+  ``sync`` averages the replicas' gradients on the ps and applies them with one optimizer,
+  ``async`` gives each replica its own update op, run by its own thread of the client.
+* **between-graph**: one client process per worker (``python -m accel.distributed.replication
+  client``), each with its own graph and session on its own worker, sharing the variables on the
+  ps; ``async`` applies each gradient on arrival, ``sync`` goes through
+  ``SyncReplicasOptimizer`` (gradient accumulators on the ps, a token queue, the chief's queue
+  runner applying the average). Their mini-batches come from a shared ``FIFOQueue`` on the ps,
+  filled in order, so the two gradients of one synchronous update are the two halves of one
+  global batch, whichever worker computes which.
+
+Every run lives in its own resource container on the ps, emptied afterwards with
+``Session.reset``, so one cluster serves many runs. Asynchronous runs count versions (a counter on
+the ps) and return ``accel.parallel.staleness.UpdateRecord``s.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import tensorflow as tf
+
+from accel import checks, models, training
+from accel.distributed.cluster import task_device
+from accel.parallel.staleness import UpdateRecord
+from accel.procs import start_python
+
+__all__ = ["MODES", "RunResult", "global_batches", "reference_sgd", "single_process", "in_graph",
+           "between_graph", "read_params", "client"]
+
+MODES = ("sync", "async")
+PS = task_device("ps", 0)
+
+
+@dataclass
+class RunResult:
+    """One replicated run: final parameters (read from the ps), records of applied gradients
+    (asynchronous runs), updates applied, and the seconds the training loop took."""
+
+    kind: str
+    params: list[np.ndarray]
+    updates: int
+    seconds: float
+    records: list[UpdateRecord] = field(default_factory=list)
+
+
+def global_batches(x: np.ndarray, y: np.ndarray, global_batch: int, steps: int) -> list:
+    """``[(x_s, y_s), ...]``: step ``s`` takes rows ``s*global_batch ...`` (wrapping around)."""
+    checks.positive_int("global_batch", global_batch)
+    checks.positive_int("steps", steps)
+    rows = [np.arange(s * global_batch, (s + 1) * global_batch) % len(x) for s in range(steps)]
+    return [(x[r], y[r]) for r in rows]
+
+
+def _loss(params, x, y):
+    return tf.reduce_mean(training.squared_error(y, models.mlp_apply(params, x)))
+
+
+def reference_sgd(init: list[np.ndarray], batches: list, lr: float) -> list[np.ndarray]:
+    """Plain SGD on one device, one step per global batch: what synchronous runs must equal."""
+    params = [tf.Variable(p) for p in init]
+    for xb, yb in batches:
+        with tf.GradientTape() as tape:
+            loss = _loss(params, xb, yb)
+        for p, g in zip(params, tape.gradient(loss, params), strict=True):
+            p.assign_sub(lr * g)
+    return [p.numpy() for p in params]
+
+
+def single_process(init: list[np.ndarray], batches: list, lr: float) -> RunResult:
+    """The baseline: the same TF1 graph and SGD step on the global batch, one local session."""
+    with tf.Graph().as_default():
+        params = [tf.Variable(p) for p in init]
+        xb = tf.compat.v1.placeholder(tf.float32, (None,) + batches[0][0].shape[1:])
+        yb = tf.compat.v1.placeholder(tf.float32, (None,) + batches[0][1].shape[1:])
+        train = tf.compat.v1.train.GradientDescentOptimizer(lr).minimize(_loss(params, xb, yb))
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            start = time.perf_counter()
+            for x, y in batches:
+                sess.run(train, {xb: x, yb: y})
+            seconds = time.perf_counter() - start
+            return RunResult("single process", sess.run(params), len(batches), seconds)
+
+
+def _ps_variables(init: list[np.ndarray]) -> list:
+    with tf.device(PS):
+        return [tf.Variable(p, name=f"p{i}") for i, p in enumerate(init)]
+
+
+def _halves(batch: tuple, replicas: int) -> list:
+    xb, yb = batch
+    if len(xb) % replicas:
+        raise ValueError(f"a global batch of {len(xb)} does not split over {replicas} replicas")
+    return list(zip(np.split(xb, replicas), np.split(yb, replicas), strict=True))
+
+
+def read_params(target: str, container: str, init: list[np.ndarray]) -> list[np.ndarray]:
+    """The current values of the run's variables on the ps (the shapes come from ``init``)."""
+    with tf.Graph().as_default(), tf.compat.v1.container(container):
+        params = _ps_variables(init)
+        with tf.compat.v1.Session(target, config=_config(["/job:ps"])) as sess:
+            return sess.run([p.read_value() for p in params])
+
+
+def _config(filters: list[str], timeout_s: float = 120.0):
+    return tf.compat.v1.ConfigProto(device_filters=filters,
+                                    operation_timeout_in_ms=int(timeout_s * 1000))
+
+
+def in_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: list, lr: float,
+             container: str = "in-graph") -> RunResult:
+    """One client, one graph, a replica per worker; see the module docstring."""
+    checks.one_of("mode", mode, MODES)
+    n = len(cluster["worker"])
+    target = "grpc://" + cluster["worker"][0]
+    with tf.Graph().as_default(), tf.compat.v1.container(container):
+        params = _ps_variables(init)
+        with tf.device(PS):
+            version = tf.Variable(0, dtype=tf.int64, name="version")
+        feeds, grads, losses, reads = [], [], [], []
+        for w in range(n):
+            with tf.device(task_device("worker", w)):
+                xw = tf.compat.v1.placeholder(tf.float32, (None,) + batches[0][0].shape[1:])
+                yw = tf.compat.v1.placeholder(tf.float32, (None,) + batches[0][1].shape[1:])
+                reads.append(version.read_value())
+                losses.append(_loss(params, xw, yw))
+                grads.append(tf.gradients(losses[-1], params))
+                feeds.append((xw, yw))
+        opt = tf.compat.v1.train.GradientDescentOptimizer(lr)
+        if mode == "sync":
+            with tf.device(PS):
+                mean = [tf.add_n(list(g)) / n for g in zip(*grads, strict=True)]
+                train = [opt.apply_gradients(zip(mean, params, strict=True))]
+        else:
+            train = []
+            for w in range(n):
+                with tf.control_dependencies([reads[w]]):
+                    apply = opt.apply_gradients(zip(grads[w], params, strict=True))
+                with tf.control_dependencies([apply]):
+                    train.append(version.assign_add(1))
+        with tf.compat.v1.Session(target, config=_config(["/job:ps", "/job:worker"])) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            start = time.perf_counter()
+            records = []
+            if mode == "sync":
+                for batch in batches:
+                    fd = {t: v for f, h in zip(feeds, _halves(batch, n), strict=True)
+                          for t, v in zip(f, h, strict=True)}
+                    sess.run(train, fd)
+            else:
+                lock = threading.Lock()
+
+                def loop(w: int) -> None:
+                    for s, batch in enumerate(batches):
+                        fd = dict(zip(feeds[w], _halves(batch, n)[w], strict=True))
+                        read, loss, new = sess.run([reads[w], losses[w], train[w]], fd)
+                        with lock:
+                            records.append(UpdateRecord(w, int(read), int(new) - 1, float(loss),
+                                                        time.perf_counter() - start,
+                                                        len(fd[feeds[w][0]]), step=s))
+                threads = [threading.Thread(target=loop, args=(w,)) for w in range(n)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            seconds = time.perf_counter() - start
+            values = sess.run([p.read_value() for p in params])
+        tf.compat.v1.Session.reset(target, [container])
+    updates = len(batches) * (1 if mode == "sync" else n)
+    return RunResult(f"in-graph {mode}", values, updates, seconds,
+                     sorted(records, key=lambda r: r.applied_version))
+
+
+def _data_queue(shapes: list[tuple], capacity: int):
+    with tf.device(PS):
+        return tf.queue.FIFOQueue(capacity, [tf.int32, tf.float32, tf.float32],
+                                  shapes=[(), *shapes], shared_name="data", name="data")
+
+
+def between_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: list, lr: float,
+                  container: str = "between-graph", timeout: float = 180.0) -> RunResult:
+    """A client process per worker; see the module docstring. The caller's process only fills
+    the data queue on the ps, starts the clients, waits for them and reads the result."""
+    checks.one_of("mode", mode, MODES)
+    n = len(cluster["worker"])
+    target = "grpc://" + cluster["ps"][0]
+    items = [(s * n + w, *h) for s, b in enumerate(batches) for w, h in enumerate(_halves(b, n))]
+    shapes = [items[0][1].shape, items[0][2].shape]
+    with tf.Graph().as_default(), tf.compat.v1.container(container):
+        _ps_variables(init)
+        with tf.device(PS):
+            tf.Variable(0, dtype=tf.int64, name="version")
+            tf.compat.v1.train.create_global_step()
+        queue = _data_queue(shapes, len(items))
+        fill = queue.enqueue_many([np.array(c) for c in zip(*items, strict=True)])
+        with tf.compat.v1.Session(target, config=_config(["/job:ps"])) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(fill)
+    spec = {"cluster": cluster, "mode": mode, "container": container, "lr": lr,
+            "sizes": [int(p.shape[0]) for p in init[::2]] + [int(init[-1].shape[0])],
+            "shapes": [list(s) for s in shapes], "steps": len(batches)}
+    children = [start_python(["-m", "accel.distributed.replication", "client",
+                              json.dumps({**spec, "worker": w})], name=f"client of worker:{w}")
+                for w in range(n)]
+    try:
+        reports = []
+        for child in children:
+            code = child.wait(timeout)
+            out, err = child.output()
+            if code != 0:
+                raise RuntimeError(f"{child.name} failed (exit {code}):\n{err[-1500:]}")
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for child in children:
+            child.stop()
+    values = read_params(target, container, init)
+    tf.compat.v1.Session.reset(target, [container])
+    records = [UpdateRecord(*r) for rep in reports for r in rep["records"]]
+    updates = len(batches) if mode == "sync" else len(items)
+    return RunResult(f"between-graph {mode}", values, updates,
+                     max(rep["seconds"] for rep in reports),
+                     sorted(records, key=lambda r: r.applied_version))
+
+
+def client(spec: dict) -> dict:
+    """One worker's client (run in its own process): build this worker's graph, train, and
+    return ``{"seconds": ..., "records": [...]}``."""
+    cluster, w, mode = spec["cluster"], spec["worker"], spec["mode"]
+    n, steps = len(cluster["worker"]), spec["steps"]
+    init = [np.zeros(s, np.float32) for s in _param_shapes(spec["sizes"])]
+    with tf.Graph().as_default(), tf.compat.v1.container(spec["container"]):
+        params = _ps_variables(init)
+        with tf.device(PS):
+            version = tf.Variable(0, dtype=tf.int64, name="version")
+            step = tf.compat.v1.train.get_or_create_global_step()
+        queue = _data_queue([tuple(s) for s in spec["shapes"]], n * steps)
+        with tf.device(task_device("worker", w)):
+            index, xb, yb = queue.dequeue()
+            read = version.read_value()
+            loss = _loss(params, xb, yb)
+            grads = tf.gradients(loss, params)
+            opt = tf.compat.v1.train.GradientDescentOptimizer(spec["lr"])
+            if mode == "async":
+                with tf.control_dependencies([read]):
+                    apply = opt.apply_gradients(zip(grads, params, strict=True))
+                with tf.control_dependencies([apply]):
+                    train = version.assign_add(1)
+            else:
+                opt = tf.compat.v1.train.SyncReplicasOptimizer(opt, replicas_to_aggregate=n,
+                                                               total_num_replicas=n)
+                train = opt.apply_gradients(zip(grads, params, strict=True), global_step=step)
+                opt.ready_for_local_init_op.mark_used()
+        with tf.compat.v1.Session("grpc://" + cluster["worker"][w],
+                                  config=_config(["/job:ps", task_device("worker", w)])) as sess:
+            records, start = [], time.perf_counter()
+            if mode == "async":
+                for _ in range(steps):
+                    i, r, lv, new = sess.run([index, read, loss, train])
+                    records.append([w, int(r), int(new) - 1, float(lv),
+                                    time.perf_counter() - start, int(spec["shapes"][0][0]), False,
+                                    int(i)])
+            else:
+                sess.run(opt.chief_init_op if w == 0 else opt.local_step_init_op)
+                if w == 0:
+                    sess.run(opt.get_init_tokens_op(num_tokens=0))
+                    coord = tf.train.Coordinator()
+                    opt.get_chief_queue_runner().create_threads(sess, coord, daemon=True,
+                                                                start=True)
+                token = 0
+                while token < steps:  # the token is the global step this worker works on next
+                    token = int(sess.run(train))
+            return {"seconds": time.perf_counter() - start, "records": records}
+
+
+def _param_shapes(sizes: list[int]) -> list[tuple]:
+    return [s for a, b in zip(sizes[:-1], sizes[1:], strict=True) for s in ((a, b), (b,))]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["client"] or len(sys.argv) != 3:
+        raise SystemExit("usage: python -m accel.distributed.replication client SPEC_JSON")
+    print(json.dumps(client(json.loads(sys.argv[2]))), flush=True)
+    sys.stdout.flush()
+    import os
+    os._exit(0)  # the chief's queue-runner thread blocks on the next take_grad: do not join it

@@ -1,0 +1,194 @@
+"""Then and now: TF2's strategies running the same model as ``accel.distributed.replication``.
+
+* ``ParameterServerStrategy`` + ``ClusterCoordinator`` (TF2's between-graph asynchronous
+  training, driven by one coordinator): ``coordinated_run`` starts the coordinator as its own
+  process (it takes the cluster's ``chief`` task), which schedules one ``tf.function`` per step
+  onto whichever worker is free; the variables live on the ps, a counter there counts the
+  updates applied. With ``kill_worker_after`` the caller ends worker 1 after that many steps:
+  the coordinator carries on with the others, and any step cut off on the dead worker is run
+  again elsewhere (at-least-once: the ps may count more updates than steps scheduled).
+* ``MultiWorkerMirroredStrategy`` (between-graph synchronous, all-reduce, no ps):
+  ``mirrored_run`` starts one process per worker with only ``TF_CONFIG`` set; each takes its
+  slice of every global batch.
+
+Keras 3's ``fit`` does not run under either strategy; both runs are custom loops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from accel import models, training
+from accel.distributed.cluster import LocalCluster, make_cluster, parse_tf_config, tf_config
+from accel.procs import ChildFailed, start_python
+
+__all__ = ["coordinated_run", "mirrored_run"]
+
+
+def _spec(init, batches, lr) -> dict:
+    return {"init": [p.tolist() for p in init], "x": [b[0].tolist() for b in batches],
+            "y": [b[1].tolist() for b in batches], "lr": lr}
+
+
+def _wait_json(child, timeout: float, progress=None) -> dict:
+    """Wait for ``child``; call ``progress(stdout)`` while it runs; return its last JSON line."""
+    end = time.monotonic() + timeout
+    while child.alive():
+        if time.monotonic() > end:
+            child.stop()
+            raise ChildFailed(f"{child.name} ran past its {timeout:g} s timeout and was stopped")
+        if progress is not None:
+            progress(child.output()[0])
+        time.sleep(0.05)
+    out, err = child.output()
+    if child.popen.returncode != 0:
+        raise ChildFailed(f"{child.name} failed (exit {child.popen.returncode}):\n{err[-1500:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _spec_file(spec: dict) -> str:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    return f.name
+
+
+def coordinated_run(cluster: LocalCluster, init: list[np.ndarray], batches: list, lr: float,
+                    kill_worker_after: int | None = None, timeout: float = 240.0) -> dict:
+    """Train with ``ParameterServerStrategy`` on ``cluster`` (its ``chief`` task left to the
+    coordinator process). Returns ``{"params", "scheduled", "applied", "killed"}``."""
+    if "chief" not in cluster.cluster or ("chief", 0) not in cluster.skip:
+        raise ValueError("the cluster needs a chief task that it does not start itself "
+                         "(LocalCluster(chief=True, skip=[('chief', 0)])): the coordinator")
+    victim = len(cluster.cluster["worker"]) - 1
+    path = _spec_file({**_spec(init, batches, lr), "kill_after": kill_worker_after,
+                       "victim": cluster.cluster["worker"][victim]})
+    child = start_python(["-m", "accel.distributed.tf2_runs", "coordinator", path],
+                         env={"TF_CONFIG": tf_config(cluster.cluster, "chief", 0)},
+                         name="the coordinator (chief:0)")
+    killed = []
+
+    def progress(out: str) -> None:
+        if kill_worker_after is not None and not killed and "paused" in out:
+            cluster.kill("worker", victim)
+            killed.append(victim)
+
+    try:
+        report = _wait_json(child, timeout, progress)
+    finally:
+        child.stop()
+        os.unlink(path)
+    report["params"] = [np.array(p, np.float32) for p in report["params"]]
+    return {**report, "killed": [("worker", k) for k in killed]}
+
+
+def mirrored_run(init: list[np.ndarray], batches: list, lr: float, workers: int = 2,
+                 host: str = "127.0.0.1", timeout: float = 240.0) -> list[list[np.ndarray]]:
+    """Train with ``MultiWorkerMirroredStrategy`` in ``workers`` processes started with only
+    ``TF_CONFIG``; returns each worker's final weights."""
+    cluster = make_cluster(ps=0, workers=workers, host=host)
+    path = _spec_file(_spec(init, batches, lr))
+    children = [start_python(["-m", "accel.distributed.tf2_runs", "mirrored", path],
+                             env={"TF_CONFIG": tf_config(cluster, "worker", w)},
+                             name=f"worker:{w}") for w in range(workers)]
+    try:
+        reports = [_wait_json(c, timeout) for c in children]
+    finally:
+        for c in children:
+            c.stop()
+        os.unlink(path)
+    return [[np.array(p, np.float32) for p in r["params"]] for r in reports]
+
+
+def _loss_sum(params, x, y):
+    return _tf().reduce_sum(training.squared_error(y, models.mlp_apply(params, x)))
+
+
+def _tf():
+    import tensorflow as tf
+    return tf
+
+
+def _coordinator(spec: dict) -> dict:
+    tf = _tf()
+    cluster, _, _ = parse_tf_config(os.environ["TF_CONFIG"])
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), rpc_layer="grpc", task_type="chief", task_id=0)
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        params = [tf.Variable(np.array(p, np.float32)) for p in spec["init"]]
+        applied = tf.Variable(0, dtype=tf.int64)
+    xs, ys = np.array(spec["x"], np.float32), np.array(spec["y"], np.float32)
+
+    @tf.function
+    def step(s):
+        xb, yb = tf.gather(xs, s), tf.gather(ys, s)
+        with tf.GradientTape() as tape:
+            loss = _loss_sum(params, xb, yb) / xs.shape[1]
+        for v, g in zip(params, tape.gradient(loss, params), strict=True):
+            v.assign_sub(spec["lr"] * g)
+        applied.assign_add(1)
+
+    steps, half = len(xs), spec["kill_after"] or 0
+    for s in range(steps):
+        if s == half and spec["kill_after"] is not None:
+            coordinator.join()
+            print("paused", flush=True)  # the caller ends a worker now; wait until it is gone
+            host, port = spec["victim"].rsplit(":", 1)
+            end = time.monotonic() + 60
+            while time.monotonic() < end and _listening(host, int(port)):
+                time.sleep(0.05)
+        coordinator.schedule(step, args=(tf.constant(s),))
+    coordinator.join()
+    return {"params": [p.numpy().tolist() for p in params], "scheduled": steps,
+            "applied": int(applied.numpy())}
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def _mirrored(spec: dict) -> dict:
+    tf = _tf()
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    _, _, index = parse_tf_config(os.environ["TF_CONFIG"])
+    n = strategy.num_replicas_in_sync
+    with strategy.scope():
+        params = [tf.Variable(np.array(p, np.float32)) for p in spec["init"]]
+    lr = spec["lr"]
+
+    @tf.function
+    def step(xb, yb, global_batch):
+        def replica(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = _loss_sum(params, xb, yb) / global_batch
+            grads = tf.distribute.get_replica_context().all_reduce(
+                "sum", tape.gradient(loss, params))
+            for v, g in zip(params, grads, strict=True):
+                v.assign_sub(lr * g)
+        strategy.run(replica, (xb, yb))
+
+    for xb, yb in zip(spec["x"], spec["y"], strict=True):
+        xb, yb = np.array(xb, np.float32), np.array(yb, np.float32)
+        part = len(xb) // n
+        step(xb[index * part:(index + 1) * part], yb[index * part:(index + 1) * part],
+             float(len(xb)))
+    return {"params": [p.numpy().tolist() for p in params]}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] not in ("coordinator", "mirrored"):
+        raise SystemExit("usage: python -m accel.distributed.tf2_runs coordinator|mirrored SPEC")
+    with open(sys.argv[2]) as f:
+        run = _coordinator if sys.argv[1] == "coordinator" else _mirrored
+        print(json.dumps(run(json.load(f))), flush=True)
+    os._exit(0)  # the coordinator's threads would keep a finished process alive

@@ -1,0 +1,88 @@
+"""accel.distributed.replication: the four combinations on a real 1 ps + 2 workers cluster;
+the synchronous ones equal one device's SGD on the global batch, the asynchronous ones apply
+every gradient exactly once, each at a recorded version."""
+
+import numpy as np
+import pytest
+
+from accel import data, models
+from accel.distributed import cluster as C
+from accel.distributed import replication as R
+
+LR, STEPS = 0.05, 6
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with C.LocalCluster(ps=1, workers=2, timeout=90) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def problem():
+    x, y, _ = data.regression(256, 8, 1, seed=0)
+    init = models.mlp_init([8, 16, 1], seed=0)
+    batches = R.global_batches(x, y, 32, STEPS)
+    return init, batches, R.reference_sgd(init, batches, LR)
+
+
+def close(actual, ref):
+    for a, r in zip(actual, ref, strict=True):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6 * np.max(np.abs(r)))
+
+
+def test_global_batches_wrap_around_and_reference_is_plain_sgd():
+    x = np.arange(10, dtype=np.float32)[:, None]
+    got = R.global_batches(x, x, 4, 3)
+    assert [b[0][:, 0].tolist() for b in got] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
+    # one linear layer, loss mean((x w + b - y)^2): gradient by hand
+    init = [np.array([[0.5]], np.float32), np.array([0.0], np.float32)]
+    xb, yb = np.array([[1.0], [2.0]], np.float32), np.array([[1.0], [3.0]], np.float32)
+    r = [(0.5 * 1 - 1), (0.5 * 2 - 3)]
+    gw, gb = np.mean([2 * r[0] * 1, 2 * r[1] * 2]), np.mean([2 * r[0], 2 * r[1]])
+    close(R.reference_sgd(init, [(xb, yb)], 0.1), [[[0.5 - 0.1 * gw]], [-0.1 * gb]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", [R.in_graph, R.between_graph], ids=["in-graph", "between-graph"])
+def test_sync_equals_one_device_on_the_global_batch(cluster, problem, run):
+    init, batches, ref = problem
+    result = run(cluster.cluster, "sync", init, batches, LR)
+    assert result.updates == STEPS and result.records == []
+    close(result.params, ref)
+    assert models.max_difference(result.params, init) > 1e-3  # it did train
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", [R.in_graph, R.between_graph], ids=["in-graph", "between-graph"])
+def test_async_applies_every_gradient_once_at_a_recorded_version(cluster, problem, run):
+    init, batches, ref = problem
+    result = run(cluster.cluster, "async", init, batches, LR)
+    assert result.updates == 2 * STEPS
+    assert [r.applied_version for r in result.records] == list(range(2 * STEPS))
+    # in-graph: each thread feeds its own half of every global batch (step = batch index);
+    # between-graph: the workers take the half-batches from the shared queue (step = item)
+    assert [sum(r.worker == w for r in result.records) for w in (0, 1)] == [STEPS, STEPS]
+    assert sorted(r.step for r in result.records) == (
+        sorted(list(range(STEPS)) * 2) if run is R.in_graph else list(range(2 * STEPS)))
+    assert all(0 <= r.staleness <= r.applied_version for r in result.records)
+    assert all(r.examples == 16 for r in result.records)
+    assert models.max_difference(result.params, init) > 1e-3
+
+
+@pytest.mark.slow
+def test_every_run_lives_in_its_own_container_which_is_emptied(cluster, problem):
+    init, batches, _ = problem
+    R.in_graph(cluster.cluster, "sync", init, batches[:1], LR, container="c-test")
+    # after the reset the variables are gone: reading them is an error
+    import tensorflow as tf
+    with pytest.raises(tf.errors.FailedPreconditionError):
+        R.read_params(cluster.target("ps", 0), "c-test", init)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        R.in_graph({"worker": ["a:1"]}, "hogwild", [], [], 0.1)
+    with pytest.raises(ValueError, match="a global batch of 5 does not split over 2"):
+        R.between_graph({"ps": ["a:1"], "worker": ["a:2", "a:3"]}, "sync", [np.zeros(1)],
+                        [(np.zeros((5, 1)), np.zeros((5, 1)))], 0.1)

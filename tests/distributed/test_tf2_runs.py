@@ -1,0 +1,47 @@
+"""accel.distributed.tf2_runs: MultiWorkerMirroredStrategy in two processes equals one device
+on the global batch; ParameterServerStrategy finishes after losing a worker mid-training."""
+
+import numpy as np
+import pytest
+
+from accel import data, models
+from accel.distributed import cluster as C
+from accel.distributed import replication as R
+from accel.distributed import tf2_runs as T
+
+LR, STEPS = 0.05, 6
+
+
+@pytest.fixture(scope="module")
+def problem():
+    x, y, _ = data.regression(256, 8, 1, seed=0)
+    init = models.mlp_init([8, 16, 1], seed=0)
+    batches = R.global_batches(x, y, 32, STEPS)
+    return init, batches, R.reference_sgd(init, batches, LR)
+
+
+@pytest.mark.slow
+def test_multi_worker_mirrored_equals_one_device_and_both_workers_agree(problem):
+    init, batches, ref = problem
+    first, second = T.mirrored_run(init, batches, LR)
+    assert models.max_difference(first, second) == 0.0
+    for a, r in zip(first, ref, strict=True):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6 * np.max(np.abs(r)))
+
+
+@pytest.mark.slow
+def test_parameter_server_strategy_survives_a_killed_worker(problem):
+    init, batches, _ = problem
+    with C.LocalCluster(chief=True, skip=[("chief", 0)], timeout=90) as cluster:
+        result = T.coordinated_run(cluster, init, batches, LR, kill_worker_after=3)
+        assert not cluster.children[("worker", 1)].alive()
+    assert result["killed"] == [("worker", 1)]
+    assert result["scheduled"] == STEPS
+    assert result["applied"] >= STEPS  # at-least-once: a cut-off step may run again
+    assert models.max_difference(result["params"], init) > 1e-3
+
+
+def test_the_coordinator_needs_a_chief_slot_left_free():
+    c = C.LocalCluster(ps=1, workers=1)
+    with pytest.raises(ValueError, match="needs a chief task"):
+        T.coordinated_run(c, [], [], 0.1)
