@@ -26,12 +26,19 @@ __all__ = ["dense_stages", "square_stages", "one_device_step", "make_batch", "me
            "figure_bubble", "check_exercise"]
 
 
+def _enough_devices(num_stages: int, devices: Sequence[str]) -> None:
+    if num_stages > len(devices):
+        raise ValueError(f"{num_stages} stages need {num_stages} devices, got {len(devices)}: "
+                         f"{list(devices)}")
+
+
 def dense_stages(params: Sequence, balance: Sequence[int], devices: Sequence[str]):
     """The MLP of ``accel.models.mlp_init`` (``[w0, b0, w1, b1, ...]``) cut by ``balance`` (in
     layers), part ``s`` on ``devices[s]``: ReLU after every layer but the last."""
     ranges = partition.part_ranges(partition.check_balance(balance, len(params) // 2))
+    _enough_devices(len(ranges), devices)
     stages = []
-    for s, (layers, device) in enumerate(zip(ranges, devices, strict=True)):
+    for s, (layers, device) in enumerate(zip(ranges, devices[:len(ranges)], strict=True)):
         with tf.device(device):
             variables = [tf.Variable(params[2 * k + j]) for k in layers for j in (0, 1)]
         last = s == len(ranges) - 1
@@ -52,8 +59,9 @@ def square_stages(devices: Sequence[str], balance: Sequence[int], width: int = 5
     """Stages of ``width`` x ``width`` ReLU layers (``balance[s]`` of them on stage ``s``): equal
     work per layer, so a stage's time is proportional to its number of layers."""
     rng = np.random.default_rng(seed)
+    _enough_devices(len(balance), devices)
     stages = []
-    for count, device in zip(balance, devices, strict=True):
+    for count, device in zip(balance, devices[:len(balance)], strict=True):
         with tf.device(device):
             ws = [tf.Variable(rng.normal(0, width**-0.5, (width, width)).astype(np.float32))
                   for _ in range(count)]

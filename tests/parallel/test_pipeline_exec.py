@@ -184,3 +184,18 @@ def test_chapter_08_exercise_solutions():
     assert check_exercise(2, pl.gpipe_schedule(3, 2)) == "exercise 2: not quite, try again"
     assert check_exercise(3, 63) == "exercise 3: correct"   # 63 / 70 = 0.9
     assert check_exercise(3, 62) == "exercise 3: not quite, try again"
+
+
+def test_more_stages_than_layers_or_devices(four_devices):
+    from accel.course.pipeline import dense_stages, square_stages
+
+    params = models.mlp_init(SIZES)
+    with pytest.raises(ValueError, match="3 stages need 3 devices, got 2"):
+        dense_stages(params, [2, 1, 1], four_devices[:2])
+    with pytest.raises(ValueError, match=r"balance \[2, 2, 1\] adds up to 5 layers, but the "
+                                         "model has 4"):
+        dense_stages(params, [2, 2, 1], four_devices)
+    with pytest.raises(ValueError, match="cannot split 4 layers into 5 parts"):
+        partition.balance_by_count(4, 5)
+    with pytest.raises(ValueError, match="2 stages need 2 devices, got 1"):
+        square_stages(four_devices[:1], [1, 1])
