@@ -56,6 +56,7 @@ class Placement:
     rows: list[OpPlacement]
     result: object = None
     transfers: list[tuple[str, str, str]] = field(default_factory=list)  # (tensor, from, to)
+    graphs: list = field(default_factory=list, repr=False)  # the partition GraphDefs that ran
 
     def __iter__(self) -> Iterator[OpPlacement]:
         return iter(self.rows)
@@ -100,7 +101,7 @@ class Placement:
     def without(self, *op_types: str) -> Placement:
         """A copy without ops of the given types (e.g. '_Arg', '_Retval', 'NoOp')."""
         return Placement([r for r in self.rows if r.op_type not in op_types], self.result,
-                         self.transfers)
+                         self.transfers, self.graphs)
 
     def format(self, requested: bool = False) -> str:
         """Aligned text, sorted by device then op name."""
@@ -123,7 +124,7 @@ def _from_graph_defs(graph_defs, requested: Mapping[str, str], result) -> Placem
                 transfers.append((node.attr["tensor_name"].s.decode(),
                                   short_device(node.attr["send_device"].s.decode()),
                                   short_device(node.attr["recv_device"].s.decode())))
-    return Placement(rows, result, transfers)
+    return Placement(rows, result, transfers, list(graph_defs))
 
 
 def placement_of(target, *args, session=None, feed_dict=None, **kwargs) -> Placement:
