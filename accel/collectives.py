@@ -26,15 +26,14 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
-
 from tensorflow.python.eager import record
 
 from accel.devices import normalize_device
 from accel.placement import placement_of, short_device
 
 __all__ = ["ALGORITHMS", "check_devices", "check_tensors", "all_reduce", "all_gather",
-           "reduce_scatter", "collective_op", "on_device", "all_reduce_bytes", "all_gather_bytes", "reduce_scatter_bytes",
-           "sent_bytes"]
+           "reduce_scatter", "collective_op", "on_device", "all_reduce_bytes",
+           "all_gather_bytes", "reduce_scatter_bytes", "sent_bytes"]
 
 ALGORITHMS = ("direct",)
 
