@@ -29,6 +29,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                "peak memory and step time: plain vs recompute vs mixed precision (chapter 04)"),
     "sync-async": ("accel.course.sync_async:bench_sync_async",
                    "throughput of sync, async and K-of-N with a 4x straggler (chapter 05)"),
+    "tensor-parallel": ("accel.course.tensor_parallel:bench",
+                        "tensor-parallel MLP and block vs one device, DTensor vs by hand, bytes "
+                        "sent vs the formula (chapter 09)"),
     "towers": ("accel.course.scaling:bench_towers",
                "step time of hand-written towers vs MirroredStrategy vs one device (chapter 06)"),
 }
@@ -42,6 +45,8 @@ FIGURES: dict[str, str] = {
     "04_memory.png": "accel.course.memory:figure_memory",
     "05_staleness.png": "accel.course.sync_async:figure_staleness",
     "06_scaling.png": "accel.course.scaling:figure_scaling",
+    "09_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",
+    "09_tp_cost.png": "accel.course.tensor_parallel:figure_tp_cost",
 }
 
 
