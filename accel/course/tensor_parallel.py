@@ -21,7 +21,8 @@ from accel.costmodel import tensor_parallel as cost
 from accel.parallel import mesh as dmesh
 from accel.parallel import tensor as tp
 
-__all__ = ["MLP_KEYS", "params_for", "train_steps", "counted_bytes", "bench",
+__all__ = ["MLP_KEYS", "params_for", "train_steps", "counted_bytes", "time_steps", "bench",
+           "check_stack_bytes", "check_mesh_collectives",
            "figure_sequence_parallel", "figure_tp_cost"]
 
 MLP_KEYS = ("w1", "b1", "w2", "b2")
@@ -134,7 +135,8 @@ def counted_bytes(device_names: Sequence[str], n: int, kind: str = "mlp", batch:
             "formula": tp.bytes_per_step(kind, [batch, seq, hidden], n)}
 
 
-def _times(steps: dict, rounds: int, repeat: int) -> dict[str, float]:
+def time_steps(steps: dict, rounds: int = 3, repeat: int = 5) -> dict[str, float]:
+    """Median seconds of each zero-argument step, timed in interleaved rounds."""
     for fn in steps.values():
         fn()
     samples: dict[str, list[float]] = {k: [] for k in steps}
@@ -153,7 +155,7 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     lines = ["median SGD step time; ratios against the same run's single-device step"]
     for kind in ("mlp", "block"):
         for n in (2, 4):
-            t = _times(train_steps(device_names, n, kind, **size), rounds, repeat)
+            t = time_steps(train_steps(device_names, n, kind, **size), rounds, repeat)
             out[f"{kind}_hand/single_{n}"] = t["hand"] / t["single"]
             line = (f"{kind:5} n={n}: single {t['single'] * 1e3:7.2f} ms  by hand "
                     f"{t['hand'] * 1e3:7.2f} ms  ({out[f'{kind}_hand/single_{n}']:.2f}x)")
@@ -175,6 +177,37 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
                  f"{timing.thread_ceiling():.2f}x (virtual CPUs share the cores)")
     print("\n".join(lines))
     return out
+
+
+def check_stack_bytes(answer) -> str:
+    """Exercise 1: bytes per device per step, 3 blocks, 4 devices, batch 2 x 16 x 64 float32."""
+    if answer is None:
+        return "not yet: set answer to a number of bytes"
+    right = tp.bytes_per_step("block", [2, 16, 64], 4, layers=3)
+    if answer == right:
+        return f"right: 3 blocks x 4 all-reduces x (4 - 1) x {2 * 16 * 64 * 4} bytes = {right}"
+    return f"not quite: {answer} is {'too high' if answer > right else 'too low'}"
+
+
+def check_mesh_collectives(answer, device_names: Sequence[str]) -> str:
+    """Exercise 2: CollectiveReduceV2 ops in one MLP training step on a 2 x 2 mesh, measured."""
+    if answer is None:
+        return "not yet: set answer2 to a count"
+    mesh = dmesh.make_mesh(list(device_names[:4]), {"data": 2, "model": 2})
+    params = params_for("mlp", 16, 4)
+    v = dmesh.variables(params, dmesh.mlp_layouts(mesh))
+    where = dmesh.layout(mesh, ["data", None])
+    x = dmesh.put(np.ones((4, 16), np.float32), where)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((tp.mlp(v, x) - 1.0) ** 2)
+        return tape.gradient(loss, v)
+
+    right = dmesh.communication(step, x)["CollectiveReduceV2"]
+    if answer == right:
+        return f"right: {right} CollectiveReduceV2 ops ({right // 4} collectives on 4 devices)"
+    return f"not quite: {answer} is {'too high' if answer > right else 'too low'}"
 
 
 def figure_sequence_parallel():
