@@ -13,6 +13,7 @@ plumbing     accel.checks (all)                argument checks: ValueError namin
              accel.viz (all)                   generic plots: bars, curves, timelines
 costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, with sources
              accel.costmodel.steps (01-06)     FLOPs of a run, copy times, data-parallel step time
+             accel.costmodel.tensor_parallel   when tensor parallelism pays; Megatron's scaling (09)
 part I       accel.devices (01)                device names, physical vs logical devices, setup()
              accel.kernels (03)                the kernel registry: op x device type x dtype
              accel.placement (02, 03)          where ops ran (placement_of), device functions,
@@ -21,12 +22,17 @@ part II      accel.memory.estimate (04)        training memory estimated per par
              accel.memory.measure (04)         what TensorFlow holds: tape tensors, peaks, scratch
              accel.memory.config (04)          TF1 ConfigProto / TF2 GPU memory plans
              accel.memory.savings (04)         recomputation and mixed precision, measured
+collectives  accel.collectives (09, 11)        all-reduce, all-gather, reduce-scatter by hand,
+                                               placed gradients, bytes counted from the graph
 part III     accel.parallel.staleness (05)     the server's decision rules, records, staleness
              accel.parallel.parameter_server   parameter server + worker threads (05)
              accel.parallel.data (06)          data parallelism by hand: the towers recipe
              accel.parallel.mirrored (06)      the same with MirroredStrategy
              accel.parallel.inputs (06)        TFRecord files through tf.data, split per tower
              accel.parallel.partition (07-08)  cutting layers into balanced parts (pure)
+             accel.parallel.tensor (09)        tensor parallelism by hand: column/row-parallel
+                                               dense, Megatron MLP and transformer block
+             accel.parallel.mesh (09)          the same with DTensor: meshes, layouts, relayouts
 course       accel.course.registry             benchmarks (python -m accel bench) and figures
              accel.course.* (01-06)            each chapter's experiments, figures and toy set-ups;
                                                the only code that calls accel.devices.setup()

@@ -252,7 +252,6 @@ def sent_bytes(fn, *args) -> dict[str, int]:
     previous = tf.config.optimizer.get_experimental_options()
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     try:
-        graph = fn.get_concrete_function(*args).graph
         ran = placement_of(fn, *args)
     finally:
         tf.config.optimizer.set_experimental_options(
@@ -265,7 +264,7 @@ def sent_bytes(fn, *args) -> dict[str, int]:
                     and "/ctrl/" in node.input[0]:
                 continue  # a control edge crossing devices: an empty dummy tensor is sent
             name = node.input[0] if ":" in node.input[0] else node.input[0] + ":0"
-            t = graph.get_tensor_by_name(name)
+            t = ran.traced.get_tensor_by_name(name)
             if not t.shape.is_fully_defined():
                 raise ValueError(f"tensor {name} has no static shape ({t.shape}); cannot count")
             size = int(np.prod(t.shape.as_list(), dtype=np.int64)) * t.dtype.size

@@ -57,6 +57,7 @@ class Placement:
     result: object = None
     transfers: list[tuple[str, str, str]] = field(default_factory=list)  # (tensor, from, to)
     graphs: list = field(default_factory=list, repr=False)  # the partition GraphDefs that ran
+    traced: object = field(default=None, repr=False)  # TF2: the traced graph (tf.Graph) that ran
 
     def __iter__(self) -> Iterator[OpPlacement]:
         return iter(self.rows)
@@ -101,7 +102,7 @@ class Placement:
     def without(self, *op_types: str) -> Placement:
         """A copy without ops of the given types (e.g. '_Arg', '_Retval', 'NoOp')."""
         return Placement([r for r in self.rows if r.op_type not in op_types], self.result,
-                         self.transfers, self.graphs)
+                         self.transfers, self.graphs, self.traced)
 
     def format(self, requested: bool = False) -> str:
         """Aligned text, sorted by device then op name."""
@@ -166,7 +167,9 @@ def placement_of(target, *args, session=None, feed_dict=None, **kwargs) -> Place
     finally:
         context.disable_run_metadata()
     graphs = [pg for fg in meta.function_graphs for pg in fg.partition_graphs]
-    return _from_graph_defs(graphs, requested, result)
+    ran = _from_graph_defs(graphs, requested, result)
+    ran.traced = concrete.graph
+    return ran
 
 
 def session_config(**fields) -> tf.compat.v1.ConfigProto:

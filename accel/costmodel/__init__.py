@@ -5,5 +5,7 @@ wherever a chapter prints it.
 
 - ``accel.costmodel.hardware``: peak FLOP/s per precision and link bandwidths, each with its source;
 - ``accel.costmodel.steps``: FLOPs of a training run, transfer times, the step time of synchronous
-  data parallelism under three ways of exchanging gradients.
+  data parallelism under three ways of exchanging gradients;
+- ``accel.costmodel.tensor_parallel``: when tensor parallelism pays (NVLink vs networks), bytes
+  held and sent vs data parallelism, and the scaling Megatron-LM reports.
 """

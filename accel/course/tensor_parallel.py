@@ -22,7 +22,7 @@ from accel.parallel import mesh as dmesh
 from accel.parallel import tensor as tp
 
 __all__ = ["MLP_KEYS", "params_for", "train_steps", "counted_bytes", "time_steps", "bench",
-           "check_stack_bytes", "check_mesh_collectives",
+           "check_stack_bytes", "check_hidden_for_pcie",
            "figure_sequence_parallel", "figure_tp_cost"]
 
 MLP_KEYS = ("w1", "b1", "w2", "b2")
@@ -189,25 +189,22 @@ def check_stack_bytes(answer) -> str:
     return f"not quite: {answer} is {'too high' if answer > right else 'too low'}"
 
 
-def check_mesh_collectives(answer, device_names: Sequence[str]) -> str:
-    """Exercise 2: CollectiveReduceV2 ops in one MLP training step on a 2 x 2 mesh, measured."""
+def check_hidden_for_pcie(answer) -> str:
+    """Exercise 2: the smallest hidden size (a multiple of 1024) at which the cost model gives
+    4-way tensor parallelism over PCIe 4.0 at least 75% efficiency (A100, 8 x 1024 tokens)."""
     if answer is None:
-        return "not yet: set answer2 to a count"
-    mesh = dmesh.make_mesh(list(device_names[:4]), {"data": 2, "model": 2})
-    params = params_for("mlp", 16, 4)
-    v = dmesh.variables(params, dmesh.mlp_layouts(mesh))
-    where = dmesh.layout(mesh, ["data", None])
-    x = dmesh.put(np.ones((4, 16), np.float32), where)
+        return "not yet: set answer2 to a hidden size"
 
-    def step(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((tp.mlp(v, x) - 1.0) ** 2)
-        return tape.gradient(loss, v)
+    def eff(h):
+        return cost.tp_layer_time(8, 1024, h, 4, "NVIDIA A100", "PCIe 4.0 x16")["efficiency"]
 
-    right = dmesh.communication(step, x)["CollectiveReduceV2"]
-    if answer == right:
-        return f"right: {right} CollectiveReduceV2 ops ({right // 4} collectives on 4 devices)"
-    return f"not quite: {answer} is {'too high' if answer > right else 'too low'}"
+    if not isinstance(answer, int) or answer < 1024 or answer % 1024:
+        return f"not quite: give a multiple of 1024, got {answer!r}"
+    if eff(answer) < 0.75:
+        return f"not quite: at hidden={answer} the model gives {eff(answer):.0%}"
+    if answer > 1024 and eff(answer - 1024) >= 0.75:
+        return f"not quite: {answer - 1024} already reaches {eff(answer - 1024):.0%}"
+    return f"right: hidden={answer} gives {eff(answer):.0%} (compute grows as h^2, bytes as h)"
 
 
 def figure_sequence_parallel():

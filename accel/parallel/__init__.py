@@ -7,5 +7,8 @@
 - ``accel.parallel.data`` (06): data parallelism by hand, the towers recipe;
 - ``accel.parallel.mirrored`` (06): the same training with ``MirroredStrategy``;
 - ``accel.parallel.inputs`` (06): TFRecord files read back through ``tf.data``, split per tower;
-- ``accel.parallel.partition`` (07, 08): cutting a layer sequence into parts (pure functions).
+- ``accel.parallel.partition`` (07, 08): cutting a layer sequence into parts (pure functions);
+- ``accel.parallel.tensor`` (09): tensor parallelism by hand: column- and row-parallel dense
+  layers, Megatron's f and g, the MLP and a transformer block with its heads split;
+- ``accel.parallel.mesh`` (09): the same with DTensor: meshes, layouts, the collectives it inserts.
 """

@@ -215,3 +215,24 @@ def test_bad_input_names_the_value(four_devices):
         tp.tp_block(tp.shard(params, 2), [], four_devices[:2], 3)
     with pytest.raises(ValueError, match="unknown parameter"):
         tp.shard({"w9": np.ones(2)}, 2)
+
+
+def test_dtensor_mlp_equals_one_device_and_bad_layouts(four_devices):
+    from accel.parallel import mesh as dmesh
+
+    params = tp.init_block(H, HEADS, dtype=np.float64)
+    params = {k: params[k] for k in ("w1", "b1", "w2", "b2")}
+    x = np.random.default_rng(2).standard_normal((4, H))
+    ref = tp.mlp(params, x).numpy()
+    mesh = dmesh.make_mesh(four_devices, {"model": 4})
+    for wrong in (False, True):
+        v = dmesh.variables(params, dmesh.mlp_layouts(mesh, wrong=wrong))
+        out = tf.function(lambda x, v=v: tp.mlp(v, x))(dmesh.put(x, dmesh.layout(mesh,
+                                                                                [None, None])))
+        _close(dmesh.fetch(out), ref)
+    with pytest.raises(ValueError, match=r"mesh dimension 'data' does not exist; the mesh has"):
+        dmesh.layout(mesh, ["data", None])
+    with pytest.raises(ValueError, match=r"mesh dims \{'data': 3\} hold 3 devices, got 4"):
+        dmesh.make_mesh(four_devices, {"data": 3})
+    with pytest.raises(ValueError, match="no layout for"):
+        dmesh.variables({"w9": np.ones(2)}, {})
