@@ -212,22 +212,22 @@ def figure_sequence_parallel():
     activations each device holds whole, split by hidden, or split by sequence."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 2.8))
+    fig, ax = plt.subplots(figsize=(10, 2.8))
     stages = [("LayerNorm\n+ dropout", "seq"), ("attention\n(heads split)", "hidden"),
               ("LayerNorm\n+ dropout", "seq"), ("MLP\n(columns / rows)", "hidden")]
     between = ["all-gather\n(g)", "reduce-scatter\n(g-bar)", "all-gather\n(g)",
                "reduce-scatter\n(g-bar)"]
     colors = {"seq": "#8fbc8f", "hidden": "#87a9d6"}
     for i, (name, split) in enumerate(stages):
-        x0 = i * 2.3
+        x0 = i * 2.6
         for dev in range(2):
             y0 = 1.1 - dev * 1.0
-            ax.add_patch(plt.Rectangle((x0, y0), 1.4, 0.8, color=colors[split], alpha=0.8))
+            ax.add_patch(plt.Rectangle((x0, y0), 1.8, 0.8, color=colors[split], alpha=0.8))
             part = "sequence half" if split == "seq" else "heads / columns half"
-            ax.text(x0 + 0.7, y0 + 0.4, f"{name}\ndevice {dev}: {part}", ha="center",
-                    va="center", fontsize=7)
-        ax.annotate(between[i], (x0 + 1.85, 1.0), ha="center", va="center", fontsize=7)
-    ax.set(xlim=(-0.2, 9.3), ylim=(-0.1, 2.1), title="sequence parallelism: the parts that "
+            ax.text(x0 + 0.9, y0 + 0.4, f"{name}\ndevice {dev}: {part}", ha="center",
+                    va="center", fontsize=6.5)
+        ax.annotate(between[i], (x0 + 2.2, 1.0), ha="center", va="center", fontsize=6.5)
+    ax.set(xlim=(-0.2, 10.6), ylim=(-0.1, 2.1), title="sequence parallelism: the parts that "
            "tensor parallelism leaves replicated are split along the sequence")
     ax.axis("off")
     fig.tight_layout()
