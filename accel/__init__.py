@@ -33,6 +33,7 @@ part III     accel.parallel.staleness (05)     the server's decision rules, reco
              accel.parallel.tensor (09)        tensor parallelism by hand: column/row-parallel
                                                dense, Megatron MLP and transformer block
              accel.parallel.mesh (09)          the same with DTensor: meshes, layouts, relayouts
+             accel.parallel.vocab (09)         vocabulary-parallel embedding and cross-entropy
 course       accel.course.registry             benchmarks (python -m accel bench) and figures
              accel.course.* (01-06)            each chapter's experiments, figures and toy set-ups;
                                                the only code that calls accel.devices.setup()

@@ -10,5 +10,6 @@
 - ``accel.parallel.partition`` (07, 08): cutting a layer sequence into parts (pure functions);
 - ``accel.parallel.tensor`` (09): tensor parallelism by hand: column- and row-parallel dense
   layers, Megatron's f and g, the MLP and a transformer block with its heads split;
-- ``accel.parallel.mesh`` (09): the same with DTensor: meshes, layouts, the collectives it inserts.
+- ``accel.parallel.mesh`` (09): the same with DTensor: meshes, layouts, the collectives it inserts;
+- ``accel.parallel.vocab`` (09): the vocabulary split: embedding and softmax cross-entropy.
 """
