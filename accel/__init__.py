@@ -15,6 +15,7 @@ costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, 
              accel.costmodel.steps (01-06)     FLOPs of a run, copy times, data-parallel step time
              accel.costmodel.model_parallel    naive model parallelism on GPUs: step, idle (07)
              accel.costmodel.pipeline (08)     pipeline step, bubble, transformer activations
+             accel.costmodel.tensor_parallel   when tensor parallelism pays; Megatron's scaling (09)
 part I       accel.devices (01)                device names, physical vs logical devices, setup()
              accel.kernels (03)                the kernel registry: op x device type x dtype
              accel.placement (02, 03)          where ops ran (placement_of), device functions,
@@ -23,6 +24,8 @@ part II      accel.memory.estimate (04)        training memory estimated per par
              accel.memory.measure (04)         what TensorFlow holds: tape tensors, peaks, scratch
              accel.memory.config (04)          TF1 ConfigProto / TF2 GPU memory plans
              accel.memory.savings (04)         recomputation and mixed precision, measured
+collectives  accel.collectives (09, 11)        all-reduce, all-gather, reduce-scatter by hand,
+                                               placed gradients, bytes counted from the graph
 part III     accel.parallel.staleness (05)     the server's decision rules, records, staleness
              accel.parallel.parameter_server   parameter server + worker threads (05)
              accel.parallel.data (06)          data parallelism by hand: the towers recipe
@@ -35,6 +38,10 @@ part III     accel.parallel.staleness (05)     the server's decision rules, reco
              accel.parallel.trace (07-)        bytes crossing devices; per-device busy time
              accel.parallel.pipeline (08)      GPipe / 1F1B schedules as data (pure, no TF)
              accel.parallel.pipeline_exec (08) running any schedule on devices, a thread a stage
+             accel.parallel.tensor (09)        tensor parallelism by hand: column/row-parallel
+                                               dense, Megatron MLP and transformer block
+             accel.parallel.mesh (09)          the same with DTensor: meshes, layouts, relayouts
+             accel.parallel.vocab (09)         vocabulary-parallel embedding and cross-entropy
 part IV      accel.distributed.cluster (10)    cluster specs, TF_CONFIG, LocalCluster: one server
                                                process per task, always ended, clear errors
              accel.distributed.replication     in-graph / between-graph x sync / async (TF1,
@@ -44,7 +51,7 @@ part IV      accel.distributed.cluster (10)    cluster specs, TF_CONFIG, LocalCl
              accel.distributed.tf2_runs (10)   ParameterServerStrategy + ClusterCoordinator and
                                                MultiWorkerMirroredStrategy as processes
 course       accel.course.registry             benchmarks (python -m accel bench) and figures
-             accel.course.* (01-08, 10)        each chapter's experiments, figures and toy set-ups;
+             accel.course.* (01-10)           each chapter's experiments, figures and toy set-ups;
                                                the only code that calls accel.devices.setup()
 
 Importing ``accel`` sets two environment variables (unless you set them) *before* TensorFlow is

@@ -56,6 +56,8 @@ class Placement:
     rows: list[OpPlacement]
     result: object = None
     transfers: list[tuple[str, str, str]] = field(default_factory=list)  # (tensor, from, to)
+    graphs: list = field(default_factory=list, repr=False)  # the partition GraphDefs that ran
+    traced: object = field(default=None, repr=False)  # TF2: the traced graph (tf.Graph) that ran
 
     def __iter__(self) -> Iterator[OpPlacement]:
         return iter(self.rows)
@@ -100,7 +102,7 @@ class Placement:
     def without(self, *op_types: str) -> Placement:
         """A copy without ops of the given types (e.g. '_Arg', '_Retval', 'NoOp')."""
         return Placement([r for r in self.rows if r.op_type not in op_types], self.result,
-                         self.transfers)
+                         self.transfers, self.graphs, self.traced)
 
     def format(self, requested: bool = False) -> str:
         """Aligned text, sorted by device then op name."""
@@ -123,7 +125,7 @@ def _from_graph_defs(graph_defs, requested: Mapping[str, str], result) -> Placem
                 transfers.append((node.attr["tensor_name"].s.decode(),
                                   short_device(node.attr["send_device"].s.decode()),
                                   short_device(node.attr["recv_device"].s.decode())))
-    return Placement(rows, result, transfers)
+    return Placement(rows, result, transfers, list(graph_defs))
 
 
 def placement_of(target, *args, session=None, feed_dict=None, **kwargs) -> Placement:
@@ -165,7 +167,9 @@ def placement_of(target, *args, session=None, feed_dict=None, **kwargs) -> Place
     finally:
         context.disable_run_metadata()
     graphs = [pg for fg in meta.function_graphs for pg in fg.partition_graphs]
-    return _from_graph_defs(graphs, requested, result)
+    ran = _from_graph_defs(graphs, requested, result)
+    ran.traced = concrete.graph
+    return ran
 
 
 def session_config(**fields) -> tf.compat.v1.ConfigProto:

@@ -8,5 +8,7 @@ wherever a chapter prints it.
   data parallelism under three ways of exchanging gradients;
 - ``accel.costmodel.model_parallel``: naive model parallelism of a model too big for one GPU
   (memory per GPU, step time, transfer time, idle share) over PCIe vs NVLink;
-- ``accel.costmodel.pipeline``: a pipeline's step time and bubble, transformer activations.
+- ``accel.costmodel.pipeline``: a pipeline's step time and bubble, transformer activations;
+- ``accel.costmodel.tensor_parallel``: when tensor parallelism pays (NVLink vs networks), bytes
+  held and sent vs data parallelism, and the scaling Megatron-LM reports.
 """

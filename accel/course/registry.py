@@ -37,6 +37,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                        "fractions (chapter 07)"),
     "pipeline": ("accel.course.pipeline:bench",
                  "the bubble vs (p-1)/(m+p-1), 1F1B vs GPipe, pipeline vs one device (chapter 08)"),
+    "tensor-parallel": ("accel.course.tensor_parallel:bench",
+                        "tensor-parallel MLP and block vs one device, DTensor vs by hand, bytes "
+                        "sent vs the formula (chapter 09)"),
     "towers": ("accel.course.scaling:bench_towers",
                "step time of hand-written towers vs MirroredStrategy vs one device (chapter 06)"),
 }
@@ -51,6 +54,8 @@ FIGURES: dict[str, str] = {
     "05_staleness.png": "accel.course.sync_async:figure_staleness",
     "06_scaling.png": "accel.course.scaling:figure_scaling",
     "08_schedules.png": "accel.course.pipeline:figure_schedules",
+    "09_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",
+    "09_tp_cost.png": "accel.course.tensor_parallel:figure_tp_cost",
 }
 
 

@@ -14,5 +14,9 @@
 - ``accel.parallel.trace`` (07): what crossed between devices (bytes) and when each device was
   busy, from what TensorFlow executed;
 - ``accel.parallel.pipeline`` (08): pipeline schedules (GPipe, 1F1B) as plain data, no TensorFlow;
-- ``accel.parallel.pipeline_exec`` (08): running any such schedule on TensorFlow devices.
+- ``accel.parallel.pipeline_exec`` (08): running any such schedule on TensorFlow devices;
+- ``accel.parallel.tensor`` (09): tensor parallelism by hand: column- and row-parallel dense
+  layers, Megatron's f and g, the MLP and a transformer block with its heads split;
+- ``accel.parallel.mesh`` (09): the same with DTensor: meshes, layouts, the collectives it inserts;
+- ``accel.parallel.vocab`` (09): the vocabulary split: embedding and softmax cross-entropy.
 """

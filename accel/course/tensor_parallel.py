@@ -1,0 +1,256 @@
+"""Chapter 09's experiments: tensor-parallel training steps (by hand and with DTensor) ready to
+time, the bytes they send, the ``tensor-parallel`` benchmark and the chapter's figures.
+
+* ``train_steps(device_names, n, kind, ...)``: zero-argument SGD steps, single device vs
+  tensor parallel by hand over ``n`` devices (and DTensor for the MLP), each returning the loss;
+* ``counted_bytes(device_names, n, kind, ...)``: bytes each device sent in one forward + backward
+  (input gradient included), counted in the graph that ran, next to the formula;
+* ``bench(device_names, quick=False)``: ``python -m accel bench tensor-parallel``;
+* ``figure_sequence_parallel()`` and ``figure_tp_cost()``: the chapter's two diagrams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from accel import collectives, timing
+from accel.costmodel import tensor_parallel as cost
+from accel.parallel import mesh as dmesh
+from accel.parallel import tensor as tp
+
+__all__ = ["MLP_KEYS", "params_for", "train_steps", "counted_bytes", "time_steps", "bench",
+           "check_stack_bytes", "check_hidden_for_pcie",
+           "figure_sequence_parallel", "figure_tp_cost"]
+
+MLP_KEYS = ("w1", "b1", "w2", "b2")
+
+
+def params_for(kind: str, hidden: int, heads: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """float32 parameters of the MLP (``kind="mlp"``) or the whole block."""
+    p = tp.init_block(hidden, heads, seed=seed)
+    return {k: p[k] for k in MLP_KEYS} if kind == "mlp" else p
+
+
+def _on(devices, value):
+    out = []
+    for d in devices:
+        with tf.device(d):
+            out.append(tf.constant(value))
+    return out
+
+
+def _loss(o, t):
+    return tf.reduce_mean((o - t) ** 2)
+
+
+def train_steps(device_names: Sequence[str], n: int, kind: str = "mlp", batch: int = 8,
+                seq: int = 64, hidden: int = 256, heads: int = 8, lr: float = 0.01,
+                dtensor_too: bool = True) -> dict[str, Callable[[], float]]:
+    """SGD steps on the same data and initial weights: ``single`` (all on device 0), ``hand``
+    (``tp_mlp`` / ``tp_block`` over the first ``n`` devices) and, for the MLP, ``dtensor`` (the
+    single-device code on a 1-D mesh of the same devices, Megatron layouts)."""
+    devs = list(device_names[:n])
+    params = params_for(kind, hidden, heads)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((batch, seq, hidden)).astype(np.float32)
+    y = rng.standard_normal((batch, seq, hidden)).astype(np.float32)
+
+    def one(p, v):
+        return tp.mlp(p, v) if kind == "mlp" else tp.block(p, v, heads)
+
+    def many(s, vs):
+        return tp.tp_mlp(s, vs, devs) if kind == "mlp" else tp.tp_block(s, vs, devs, heads)
+
+    with tf.device(devs[0]):
+        single_v = {k: tf.Variable(a) for k, a in params.items()}
+        xt, yt = tf.constant(x), tf.constant(y)
+
+    @tf.function
+    def single():
+        with tf.device(devs[0]), tf.GradientTape() as tape:
+            loss = _loss(one(single_v, xt), yt)
+            grads = tape.gradient(loss, single_v)
+        for k, g in grads.items():
+            single_v[k].assign_sub(lr * g)
+        return loss
+
+    shards = tp.to_variables(tp.shard(params, n, heads if kind == "block" else None), devs)
+    xs, ys = _on(devs, x), _on(devs, y)
+
+    @tf.function
+    def hand():
+        with tf.GradientTape() as tape:
+            outs = many(shards, xs)
+            losses = [collectives.on_device(_loss, d, o, t)
+                      for o, t, d in zip(outs, ys, devs, strict=True)]
+        grads = tape.gradient(losses, shards)
+        for s, g in zip(shards, grads, strict=True):
+            for k in s:
+                s[k].assign_sub(lr * g[k])
+        return losses[0]
+
+    steps = {"single": lambda: float(single()), "hand": lambda: float(hand())}
+    if kind == "mlp" and dtensor_too:
+        mesh = dmesh.make_mesh(devs, {"model": n})
+        dv = dmesh.variables(params, dmesh.mlp_layouts(mesh))
+        rep = dmesh.layout(mesh, [None, None, None])
+        xd, yd = dmesh.put(x, rep), dmesh.put(y, rep)
+
+        @tf.function
+        def dtensor_step():
+            with tf.GradientTape() as tape:
+                loss = _loss(tp.mlp(dv, xd), yd)
+            grads = tape.gradient(loss, dv)
+            for k, g in grads.items():
+                dv[k].assign_sub(lr * g)
+            return loss
+
+        steps["dtensor"] = lambda: float(dmesh.fetch(dtensor_step()))
+    return steps
+
+
+def counted_bytes(device_names: Sequence[str], n: int, kind: str = "mlp", batch: int = 8,
+                  seq: int = 64, hidden: int = 256, heads: int = 8) -> dict[str, int]:
+    """Bytes each device sent in one forward + backward of the tensor-parallel layer (with the
+    input's gradient, as inside a stack), counted from the ``_Send`` nodes that ran, and the
+    formula ``tp.bytes_per_step``: ``{"counted_min", "counted_max", "formula"}``."""
+    devs = list(device_names[:n])
+    shards = tp.to_variables(tp.shard(params_for(kind, hidden, heads), n), devs)
+    xs = _on(devs, np.ones((batch, seq, hidden), np.float32))
+
+    def step(xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            outs = (tp.tp_mlp(shards, xs, devs) if kind == "mlp"
+                    else tp.tp_block(shards, xs, devs, heads))
+            losses = [collectives.on_device(tf.reduce_sum, d, o) for o, d in zip(outs, devs,
+                                                                                   strict=True)]
+        return tape.gradient(losses, [xs, shards])
+
+    sent = collectives.sent_bytes(step, xs)
+    return {"counted_min": min(sent.values()), "counted_max": max(sent.values()),
+            "formula": tp.bytes_per_step(kind, [batch, seq, hidden], n)}
+
+
+def time_steps(steps: dict, rounds: int = 3, repeat: int = 5) -> dict[str, float]:
+    """Median seconds of each zero-argument step, timed in interleaved rounds."""
+    for fn in steps.values():
+        fn()
+    samples: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, fn in steps.items():
+            samples[k].append(timing.time_fn(fn, repeat=repeat, warmup=0))
+    return {k: float(np.median(v)) for k, v in samples.items()}
+
+
+def bench(device_names: Sequence[str], quick: bool = False) -> dict:
+    """Step time of the tensor-parallel MLP and block (by hand, n = 2, 4) vs one device, DTensor
+    vs by hand (goal: by hand within 1.1x of DTensor), and bytes per step vs the formula."""
+    size = dict(batch=2, seq=8, hidden=32, heads=4) if quick else {}
+    rounds, repeat = (1, 1) if quick else (3, 5)
+    out: dict[str, float] = {}
+    lines = ["median SGD step time; ratios against the same run's single-device step"]
+    for kind in ("mlp", "block"):
+        for n in (2, 4):
+            t = time_steps(train_steps(device_names, n, kind, **size), rounds, repeat)
+            out[f"{kind}_hand/single_{n}"] = t["hand"] / t["single"]
+            line = (f"{kind:5} n={n}: single {t['single'] * 1e3:7.2f} ms  by hand "
+                    f"{t['hand'] * 1e3:7.2f} ms  ({out[f'{kind}_hand/single_{n}']:.2f}x)")
+            if "dtensor" in t:
+                out[f"{kind}_hand/dtensor_{n}"] = t["hand"] / t["dtensor"]
+                line += (f"  DTensor {t['dtensor'] * 1e3:7.2f} ms  by hand / DTensor "
+                         f"{out[f'{kind}_hand/dtensor_{n}']:.2f}")
+            lines.append(line)
+            b = counted_bytes(device_names, n, kind, **size)
+            out[f"{kind}_bytes_{n}"] = b["counted_max"]
+            same = b["counted_min"] == b["counted_max"] == b["formula"]
+            lines.append(f"{'':13}bytes sent per device per step: counted {b['counted_min']}"
+                         f"..{b['counted_max']}, formula {b['formula']}"
+                         f" ({'equal' if same else 'DIFFERENT'})")
+    worst = max(v for k, v in out.items() if "dtensor" in k)
+    lines.append(f"goal: by hand within 1.1x of DTensor -> worst {worst:.2f} "
+                 f"({'met' if worst <= 1.1 else 'NOT met'})")
+    lines.append("this machine's 2-thread vs 1-thread matmul ceiling: "
+                 f"{timing.thread_ceiling():.2f}x (virtual CPUs share the cores)")
+    print("\n".join(lines))
+    return out
+
+
+def check_stack_bytes(answer) -> str:
+    """Exercise 1: bytes per device per step, 3 blocks, 4 devices, batch 2 x 16 x 64 float32."""
+    if answer is None:
+        return "not yet: set answer to a number of bytes"
+    right = tp.bytes_per_step("block", [2, 16, 64], 4, layers=3)
+    if answer == right:
+        return f"right: 3 blocks x 4 all-reduces x (4 - 1) x {2 * 16 * 64 * 4} bytes = {right}"
+    return f"not quite: {answer} is {'too high' if answer > right else 'too low'}"
+
+
+def check_hidden_for_pcie(answer) -> str:
+    """Exercise 2: the smallest hidden size (a multiple of 1024) at which the cost model gives
+    4-way tensor parallelism over PCIe 4.0 at least 75% efficiency (A100, 8 x 1024 tokens)."""
+    if answer is None:
+        return "not yet: set answer2 to a hidden size"
+
+    def eff(h):
+        return cost.tp_layer_time(8, 1024, h, 4, "NVIDIA A100", "PCIe 4.0 x16")["efficiency"]
+
+    if not isinstance(answer, int) or answer < 1024 or answer % 1024:
+        return f"not quite: give a multiple of 1024, got {answer!r}"
+    if eff(answer) < 0.75:
+        return f"not quite: at hidden={answer} the model gives {eff(answer):.0%}"
+    if answer > 1024 and eff(answer - 1024) >= 0.75:
+        return f"not quite: {answer - 1024} already reaches {eff(answer - 1024):.0%}"
+    return f"right: hidden={answer} gives {eff(answer):.0%} (compute grows as h^2, bytes as h)"
+
+
+def figure_sequence_parallel():
+    """Megatron's tensor + sequence parallelism over 2 devices (Korthikanti et al. 2022): which
+    activations each device holds whole, split by hidden, or split by sequence."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 2.8))
+    stages = [("LayerNorm\n+ dropout", "seq"), ("attention\n(heads split)", "hidden"),
+              ("LayerNorm\n+ dropout", "seq"), ("MLP\n(columns / rows)", "hidden")]
+    between = ["all-gather\n(g)", "reduce-scatter\n(g-bar)", "all-gather\n(g)",
+               "reduce-scatter\n(g-bar)"]
+    colors = {"seq": "#8fbc8f", "hidden": "#87a9d6"}
+    for i, (name, split) in enumerate(stages):
+        x0 = i * 2.6
+        for dev in range(2):
+            y0 = 1.1 - dev * 1.0
+            ax.add_patch(plt.Rectangle((x0, y0), 1.8, 0.8, color=colors[split], alpha=0.8))
+            part = "sequence half" if split == "seq" else "heads / columns half"
+            ax.text(x0 + 0.9, y0 + 0.4, f"{name}\ndevice {dev}: {part}", ha="center",
+                    va="center", fontsize=6.5)
+        ax.annotate(between[i], (x0 + 2.2, 1.0), ha="center", va="center", fontsize=6.5)
+    ax.set(xlim=(-0.2, 10.6), ylim=(-0.1, 2.1), title="sequence parallelism: the parts that "
+           "tensor parallelism leaves replicated are split along the sequence")
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def figure_tp_cost(hidden: int = 4096, batch: int = 8, seq: int = 1024):
+    """MODEL: parallel efficiency of one tensor-parallel layer vs devices, per link (A100)."""
+    import matplotlib.pyplot as plt
+
+    counts = [1, 2, 4, 8, 16]
+    links = ["NVLink 3 (A100, per GPU)", "PCIe 4.0 x16", "InfiniBand HDR (200 Gb/s)",
+             "100 Gb Ethernet"]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for link in links:
+        eff = [cost.tp_layer_time(batch, seq, hidden, n, "NVIDIA A100", link)["efficiency"]
+               for n in counts]
+        ax.plot(counts, eff, "o-", label=link)
+    rep = cost.MEGATRON_WEAK_SCALING
+    ax.plot(list(rep), [v[1] / 100 for v in rep.values()], "k*", ms=10,
+            label="Megatron-LM reported (V100, weak scaling)")
+    ax.set(xscale="log", xticks=counts, xticklabels=counts, ylim=(0, 1.05), xlabel="devices",
+           ylabel="efficiency", title=f"MODEL: one layer, h={hidden}, {batch}x{seq} tokens")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,91 @@
+"""Tensor parallelism with DTensor (``tf.experimental.dtensor``): say how each tensor is split
+over a mesh of devices, and let TensorFlow insert the communication.
+
+* ``make_mesh(devices, {"data": 2, "model": 2})``: a mesh (a grid of devices with named axes);
+* ``layout(mesh, ["data", None])``: how a tensor is split (a mesh axis name per tensor axis,
+  ``None`` = not split); an axis the mesh does not have is a ``ValueError``;
+* ``put(array, layout)`` / ``fetch(tensor)``: NumPy to a sharded tensor and back (``fetch``
+  relayouts to replicated first: ``.numpy()`` refuses a sharded tensor);
+* ``mlp_layouts(mesh)``: the Megatron split of the MLP's ``w1, b1, w2, b2`` (column then row);
+* ``communication(fn, *args)``: the collective ops DTensor put in the graph that ran, counted.
+
+``accel.parallel.tensor.mlp`` itself runs on DTensors: the same code, laid out differently.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from accel import checks
+from accel.placement import placement_of
+
+__all__ = ["make_mesh", "layout", "put", "fetch", "variables", "mlp_layouts", "communication"]
+
+
+def make_mesh(devices: Sequence[str], dims: Mapping[str, int]) -> dtensor.Mesh:
+    """A mesh over ``devices`` with axes ``dims`` (name -> size, in order; sizes multiply to
+    the number of devices)."""
+    sizes = [checks.positive_int(f"dims[{k!r}]", v) for k, v in dims.items()]
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh dims {dict(dims)} hold {int(np.prod(sizes))} devices, "
+                         f"got {len(devices)}")
+    return dtensor.create_mesh(list(dims.items()), devices=list(devices))
+
+
+def layout(mesh: dtensor.Mesh, spec: Sequence[str | None]) -> dtensor.Layout:
+    """A layout: for each tensor axis, the mesh axis that splits it or ``None``."""
+    names = list(mesh.dim_names)
+    for s in spec:
+        if s is not None and s not in names:
+            raise ValueError(f"mesh dimension {s!r} does not exist; the mesh has {names}")
+    return dtensor.Layout([dtensor.UNSHARDED if s is None else s for s in spec], mesh)
+
+
+def put(array, where: dtensor.Layout) -> tf.Tensor:
+    """``array`` (NumPy) as a DTensor laid out as ``where``."""
+    value = tf.constant(array)
+    if value.shape.rank != where.rank:
+        raise ValueError(f"layout has rank {where.rank}, the array has shape {value.shape}")
+    replicated = dtensor.Layout.replicated(where.mesh, where.rank)
+    return dtensor.relayout(dtensor.copy_to_mesh(value, replicated), where)
+
+
+def fetch(tensor) -> np.ndarray:
+    """A DTensor (or DVariable) as one NumPy array."""
+    where = dtensor.fetch_layout(tensor)
+    whole = dtensor.Layout.replicated(where.mesh, where.rank)
+    return dtensor.relayout(tf.convert_to_tensor(tensor), whole).numpy()
+
+
+def variables(params: Mapping[str, np.ndarray], layouts: Mapping[str, dtensor.Layout]
+              ) -> dict[str, dtensor.DVariable]:
+    """``DVariable``s holding ``params``, each laid out as ``layouts[name]``."""
+    missing = sorted(set(params) - set(layouts))
+    if missing:
+        raise ValueError(f"no layout for {missing}")
+    return {k: dtensor.DVariable(put(v, layouts[k])) for k, v in params.items()}
+
+
+def mlp_layouts(mesh: dtensor.Mesh, model: str = "model",
+                wrong: bool = False) -> dict[str, dtensor.Layout]:
+    """Megatron's split of the MLP over mesh axis ``model``: ``w1`` by columns (with ``b1``),
+    ``w2`` by rows, ``b2`` replicated. ``wrong=True`` swaps them (``w1`` by rows, ``w2`` by
+    columns): still correct, but DTensor must move data to make it so."""
+    col, row = [None, model], [model, None]
+    if wrong:
+        col, row = row, col
+    return {"w1": layout(mesh, col), "b1": layout(mesh, [None if wrong else model]),
+            "w2": layout(mesh, row), "b2": layout(mesh, [model if wrong else None])}
+
+
+def communication(fn, *args) -> Counter:
+    """Run ``fn(*args)`` once and count the collective ops (``Collective*``, ``*AllToAll*``)
+    in the partition graphs that ran, over all devices: what DTensor inserted."""
+    ran = placement_of(fn, *args)
+    return Counter(r.op_type for r in ran.rows
+                   if r.op_type.startswith("Collective") or "AllToAll" in r.op_type)

@@ -1,0 +1,47 @@
+"""accel.course.tensor_parallel: the exercises' solutions, the steps agree with each other (never
+their timings), and the figures draw."""
+
+import numpy as np
+import pytest
+
+from accel.course import tensor_parallel as course
+
+
+def test_exercise_1_solution():
+    # 3 blocks x 4 all-reduces x (4 - 1) x (2 * 16 * 64 * 4 bytes), worked out by hand
+    assert course.check_stack_bytes(None).startswith("not yet")
+    assert course.check_stack_bytes(294912).startswith("right")
+    assert course.check_stack_bytes(98304).startswith("not quite")
+
+
+def test_exercise_2_solution():
+    assert course.check_hidden_for_pcie(None).startswith("not yet")
+    assert course.check_hidden_for_pcie(10240).startswith("right")
+    assert course.check_hidden_for_pcie(9216).startswith("not quite")
+    assert course.check_hidden_for_pcie(11264).startswith("not quite")
+    assert course.check_hidden_for_pcie(1000).startswith("not quite")
+
+
+@pytest.mark.parametrize("kind", ["mlp", "block"])
+def test_the_three_steps_train_alike(four_devices, kind):
+    steps = course.train_steps(four_devices, 2, kind, batch=2, seq=4, hidden=16, heads=4,
+                               lr=0.05)
+    curves = {k: [fn() for _ in range(3)] for k, fn in steps.items()}
+    assert set(curves) == ({"single", "hand", "dtensor"} if kind == "mlp" else {"single", "hand"})
+    for k in curves:
+        np.testing.assert_allclose(curves[k], curves["single"], rtol=1e-4)
+    assert curves["single"][-1] < curves["single"][0]
+
+
+def test_counted_bytes_equal_the_formula(four_devices):
+    b = course.counted_bytes(four_devices, 4, "mlp", batch=2, seq=4, hidden=16, heads=4)
+    # 2 all-reduces x 3 other devices x 2*4*16 float32
+    assert b == {"counted_min": 3072, "counted_max": 3072, "formula": 3072}
+
+
+def test_figures_draw():
+    import matplotlib.pyplot as plt
+
+    for fig in (course.figure_sequence_parallel(), course.figure_tp_cost()):
+        assert fig.axes
+        plt.close(fig)

@@ -1,0 +1,109 @@
+"""accel.collectives against NumPy, its gradients against the exact ones, its byte counts
+against the _Send nodes of the graphs that ran."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accel import collectives
+
+
+def _on(devices, arrays):
+    out = []
+    for d, a in zip(devices, arrays, strict=True):
+        with tf.device(d):
+            out.append(tf.constant(a))
+    return out
+
+
+def _arrays(n, shape=(4, 6), seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_all_reduce_matches_numpy_on_every_device(four_devices, n):
+    devs = four_devices[:n]
+    arrays = _arrays(n)
+    out = collectives.all_reduce(_on(devs, arrays), devs)
+    for d, y in zip(devs, out, strict=True):
+        assert y.device.endswith(d.split("device:")[-1])
+        np.testing.assert_allclose(y.numpy(), np.sum(arrays, axis=0), rtol=1e-12)
+    assert all(np.array_equal(out[0].numpy(), y.numpy()) for y in out)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_all_gather_and_reduce_scatter_match_numpy(four_devices, n):
+    devs = four_devices[:n]
+    arrays = _arrays(n, (4, 8))
+    gathered = collectives.all_gather(_on(devs, arrays), devs, axis=1)
+    for y in gathered:
+        np.testing.assert_array_equal(y.numpy(), np.concatenate(arrays, axis=1))
+    scattered = collectives.reduce_scatter(_on(devs, arrays), devs, axis=-1)
+    parts = np.split(np.sum(arrays, axis=0), n, axis=1)
+    for y, p in zip(scattered, parts, strict=True):
+        np.testing.assert_allclose(y.numpy(), p, rtol=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_gradients_are_the_exact_ones(four_devices, n):
+    """loss = sum_i <w_i, y_i>: d/dx_j of all_reduce is sum_i w_i (an all-reduce), of all_gather
+    the j-th part of sum_i w_i (a reduce-scatter), of reduce_scatter the concat of w_i."""
+    devs = four_devices[:n]
+    xs = _on(devs, _arrays(n, (4, 8)))
+    ws = _arrays(n, (4, 8), seed=1)
+    wg = _arrays(n, (4, 8 * n), seed=2)
+    wr = _arrays(n, (4, 8 // n), seed=3)
+
+    @tf.function
+    def grads(xs):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(xs)
+            r = collectives.all_reduce(xs, devs)
+            g = collectives.all_gather(xs, devs, axis=1)
+            s = collectives.reduce_scatter(xs, devs, axis=1)
+            lr = [tf.reduce_sum(y * w) for y, w in zip(r, ws, strict=True)]
+            lg = [tf.reduce_sum(y * w) for y, w in zip(g, wg, strict=True)]
+            ls = [tf.reduce_sum(y * w) for y, w in zip(s, wr, strict=True)]
+        return tape.gradient(lr, xs), tape.gradient(lg, xs), tape.gradient(ls, xs)
+
+    dr, dg, ds = grads(xs)
+    for j in range(n):
+        np.testing.assert_allclose(dr[j].numpy(), np.sum(ws, axis=0), rtol=1e-12)
+        np.testing.assert_allclose(dg[j].numpy(), np.split(np.sum(wg, axis=0), n, axis=1)[j],
+                                   rtol=1e-12)
+        np.testing.assert_allclose(ds[j].numpy(), np.concatenate(wr, axis=1), rtol=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_bytes_counted_equal_the_sends_that_ran(four_devices, n):
+    devs = four_devices[:n]
+    xs = _on(devs, [a.astype(np.float32) for a in _arrays(n, (16, 8))])
+    nbytes = 16 * 8 * 4
+    cases = [(lambda xs: collectives.all_reduce(xs, devs), collectives.all_reduce_bytes),
+             (lambda xs: collectives.all_gather(xs, devs), collectives.all_gather_bytes),
+             (lambda xs: collectives.reduce_scatter(xs, devs), collectives.reduce_scatter_bytes)]
+    for fn, formula in cases:
+        sent = collectives.sent_bytes(fn, xs)
+        hand = {d: formula(nbytes, n) for d in devs}
+        assert sent == hand
+    # by hand for n = 4: all-reduce sends 3 whole tensors of 512 bytes from each device
+    if n == 4:
+        assert collectives.all_reduce_bytes(512, 4) == 1536
+        assert collectives.reduce_scatter_bytes(512, 4) == 384
+
+
+def test_bad_input_names_the_value(four_devices):
+    devs = four_devices[:2]
+    with pytest.raises(ValueError, match="devices is empty"):
+        collectives.all_reduce([], [])
+    with pytest.raises(ValueError, match=r"lists \['/device:CPU:0'\] more than once"):
+        collectives.all_reduce([tf.ones(2), tf.ones(2)], ["/cpu:0", "/device:CPU:0"])
+    with pytest.raises(ValueError, match=r"shapes differ across devices: \[\(2,\), \(3,\)\]"):
+        collectives.all_reduce([tf.ones(2), tf.ones(3)], devs)
+    with pytest.raises(ValueError, match="got 1 tensors for 2 devices"):
+        collectives.all_gather([tf.ones(2)], devs)
+    with pytest.raises(ValueError, match="size 3, not divisible by the 2 devices"):
+        collectives.reduce_scatter([tf.ones(3), tf.ones(3)], devs)
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        collectives.all_reduce([tf.ones(2), tf.ones(2)], devs, algorithm="ring?")
