@@ -99,29 +99,39 @@ def make_batch(m: int, microbatch: int = 64, width: int = 512):
 
 
 def measure_bubble(devices: Sequence[str], microbatches: Sequence[int] = (1, 2, 4, 8, 16),
-                   balance: Sequence[int] = (4, 4), width: int = 512, microbatch: int = 64,
-                   repeat: int = 3, schedule: str = "gpipe") -> dict:
+                   balance: Sequence[int] = (4, 4), width: int = 512, microbatch: int = 128,
+                   repeat: int = 2, schedule: str = "gpipe") -> dict:
     """Run the pipeline of ``square_stages`` for each number of micro-batches (fixed micro-batch
     size) and return, per ``m``: the measured idle fraction of each device (median over
     ``repeat`` runs), the formula's, the median step time (first task start to last task end),
-    the peak stash per stage, the median task times, and the same layers' step on one device."""
+    the peak stash per stage, the median task times, and two baselines on one device: the same
+    micro-batches through all layers (``one_device_s``) and the whole batch at once
+    (``whole_batch_s``)."""
     make = {"gpipe": pl.gpipe_schedule, "1f1b": pl.one_f_one_b_schedule}[schedule]
     stages = square_stages(devices[:len(balance)], balance, width)
+    one = square_stages(devices[:1], [sum(balance)], width)  # the same layers on one device
     p, out = len(balance), {}
     for m in microbatches:
         x, y = make_batch(m, microbatch, width)
         sched = make(m, p)
         pe.run_schedule(stages, sched, x, y, squared_error, m)  # warm-up
         runs = [pe.run_schedule(stages, sched, x, y, squared_error, m) for _ in range(repeat)]
-        spans = [max(e for log in r.log for *_, e in log) - min(s for log in r.log
-                                                                for _, s, _ in log)
-                 for r in runs]
+        spans = [_span(r) for r in runs]
         idle = np.median([pe.measured_idle_fractions(r) for r in runs], axis=0)
-        single = timing.time_fn(one_device_step(stages, x, y), repeat=repeat)
+        alone = [pe.run_schedule(one, pl.gpipe_schedule(m, 1), x, y, squared_error, m)
+                 for _ in range(repeat)]
         out[m] = {"measured": [float(v) for v in idle], "formula": pl.bubble_fraction(p, m),
                   "step_s": float(np.median(spans)), "peak_stash": runs[-1].peak_stash,
-                  "task_s": _task_times(runs[-1]), "one_device_s": single}
+                  "task_s": _task_times(runs[-1]),
+                  "one_device_s": float(np.median([_span(r) for r in alone])),
+                  "whole_batch_s": timing.time_fn(one_device_step(stages, x, y), repeat=repeat)}
     return out
+
+
+def _span(run) -> float:
+    """First task start to last task end of a run."""
+    return (max(e for log in run.log for *_, e in log)
+            - min(s for log in run.log for _, s, _ in log))
 
 
 def stage_phase_times(run) -> dict[tuple[int, str], float]:
@@ -184,13 +194,14 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     kw = dict(microbatches=ms, repeat=1 if quick else 3, width=128 if quick else 512)
     gpipe, ofob = measure_fresh(**kw), measure_fresh(**kw, schedule="1f1b")
     print("m   measured idle  (p-1)/(m+p-1)  difference  1F1B/GPipe step  stash GPipe/1F1B  "
-          "speed-up vs 1 device")
+          "speed-up vs 1 device (same micro-batches / whole batch)")
     for m in ms:
         got, want = float(np.mean(gpipe[m]["measured"])), gpipe[m]["formula"]
         print(f"{m:<3d} {got:13.3f}  {want:13.3f}  {got - want:+10.3f}  "
               f"{ofob[m]['step_s'] / gpipe[m]['step_s']:15.2f}  "
               f"{max(gpipe[m]['peak_stash']):>11d}/{max(ofob[m]['peak_stash'])}  "
-              f"{gpipe[m]['one_device_s'] / gpipe[m]['step_s']:19.2f}x")
+              f"{gpipe[m]['one_device_s'] / gpipe[m]['step_s']:19.2f}x / "
+              f"{gpipe[m]['whole_batch_s'] / gpipe[m]['step_s']:.2f}x")
     ceiling = timing.thread_ceiling(n=256 if quick else 1024)
     print(f"this machine's ceiling (1-thread / 2-thread matmul time): {ceiling:.2f}x")
     return {"gpipe": gpipe, "1f1b": ofob, "ceiling": ceiling}
