@@ -25,23 +25,10 @@ def assert_close(actual, ref):
 
 
 def dense_stages(devices, balance, params):
-    """The MLP's layers cut by ``balance``, stage s on devices[s] (last layer linear)."""
-    ranges = partition.part_ranges(balance)
-    stages = []
-    for s, (r, device) in enumerate(zip(ranges, devices, strict=True)):
-        with tf.device(device):
-            ps = [tf.Variable(params[2 * k + j]) for k in r for j in (0, 1)]
-        last = s == len(ranges) - 1
+    """The MLP's layers cut by ``balance``, stage s on devices[s] (chapter 08's set-up)."""
+    from accel.course.pipeline import dense_stages as build
 
-        def fn(p, x, last=last):
-            for k in range(0, len(p), 2):
-                x = tf.matmul(x, p[k]) + p[k + 1]
-                if not (last and k + 2 == len(p)):
-                    x = tf.nn.relu(x)
-            return x
-
-        stages.append(pe.Stage(fn, ps, device))
-    return stages
+    return build(params, balance, devices)
 
 
 @pytest.fixture(scope="module")
