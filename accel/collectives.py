@@ -31,7 +31,7 @@ from tensorflow.python.eager import record
 from accel.devices import normalize_device
 from accel.placement import placement_of, short_device
 
-__all__ = ["ALGORITHMS", "check_devices", "check_tensors", "all_reduce", "all_gather",
+__all__ = ["ALGORITHMS", "check_devices", "check_tensors", "place", "all_reduce", "all_gather",
            "reduce_scatter", "collective_op", "on_device", "all_reduce_bytes",
            "all_gather_bytes", "reduce_scatter_bytes", "sent_bytes"]
 
@@ -49,6 +49,22 @@ def check_devices(devices: Sequence[str]) -> list[str]:
     if twice:
         raise ValueError(f"devices lists {twice} more than once: {devices}")
     return devices
+
+
+def place(values, devices: Sequence[str]) -> list:
+    """One tensor per device: ``values[i]`` on ``devices[i]`` (a list or tuple of arrays or
+    tensors), or one value copied to every device. The copy is a ``tf.identity`` under
+    ``tf.device``, so gradients flow back through it."""
+    devices = check_devices(devices)
+    if not isinstance(values, list | tuple):
+        values = [values] * len(devices)
+    if len(values) != len(devices):
+        raise ValueError(f"got {len(values)} values for {len(devices)} devices")
+    out = []
+    for value, device in zip(values, devices, strict=True):
+        with tf.device(device):
+            out.append(tf.identity(value))
+    return out
 
 
 def check_tensors(tensors: Sequence, devices: Sequence[str], same_shape: bool = True) -> list:

@@ -8,14 +8,6 @@ import tensorflow as tf
 from accel import collectives
 
 
-def _on(devices, arrays):
-    out = []
-    for d, a in zip(devices, arrays, strict=True):
-        with tf.device(d):
-            out.append(tf.constant(a))
-    return out
-
-
 def _arrays(n, shape=(4, 6), seed=0):
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(shape) for _ in range(n)]
@@ -25,7 +17,7 @@ def _arrays(n, shape=(4, 6), seed=0):
 def test_all_reduce_matches_numpy_on_every_device(four_devices, n):
     devs = four_devices[:n]
     arrays = _arrays(n)
-    out = collectives.all_reduce(_on(devs, arrays), devs)
+    out = collectives.all_reduce(collectives.place(list(arrays), devs), devs)
     for d, y in zip(devs, out, strict=True):
         assert y.device.endswith(d.split("device:")[-1])
         np.testing.assert_allclose(y.numpy(), np.sum(arrays, axis=0), rtol=1e-12)
@@ -36,10 +28,10 @@ def test_all_reduce_matches_numpy_on_every_device(four_devices, n):
 def test_all_gather_and_reduce_scatter_match_numpy(four_devices, n):
     devs = four_devices[:n]
     arrays = _arrays(n, (4, 8))
-    gathered = collectives.all_gather(_on(devs, arrays), devs, axis=1)
+    gathered = collectives.all_gather(collectives.place(list(arrays), devs), devs, axis=1)
     for y in gathered:
         np.testing.assert_array_equal(y.numpy(), np.concatenate(arrays, axis=1))
-    scattered = collectives.reduce_scatter(_on(devs, arrays), devs, axis=-1)
+    scattered = collectives.reduce_scatter(collectives.place(list(arrays), devs), devs, axis=-1)
     parts = np.split(np.sum(arrays, axis=0), n, axis=1)
     for y, p in zip(scattered, parts, strict=True):
         np.testing.assert_allclose(y.numpy(), p, rtol=1e-12)
@@ -50,7 +42,7 @@ def test_gradients_are_the_exact_ones(four_devices, n):
     """loss = sum_i <w_i, y_i>: d/dx_j of all_reduce is sum_i w_i (an all-reduce), of all_gather
     the j-th part of sum_i w_i (a reduce-scatter), of reduce_scatter the concat of w_i."""
     devs = four_devices[:n]
-    xs = _on(devs, _arrays(n, (4, 8)))
+    xs = collectives.place(list(_arrays(n, (4, 8))), devs)
     ws = _arrays(n, (4, 8), seed=1)
     wg = _arrays(n, (4, 8 * n), seed=2)
     wr = _arrays(n, (4, 8 // n), seed=3)
@@ -78,7 +70,7 @@ def test_gradients_are_the_exact_ones(four_devices, n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_bytes_counted_equal_the_sends_that_ran(four_devices, n):
     devs = four_devices[:n]
-    xs = _on(devs, [a.astype(np.float32) for a in _arrays(n, (16, 8))])
+    xs = collectives.place([a.astype(np.float32) for a in _arrays(n, (16, 8))], devs)
     nbytes = 16 * 8 * 4
     cases = [(lambda xs: collectives.all_reduce(xs, devs), collectives.all_reduce_bytes),
              (lambda xs: collectives.all_gather(xs, devs), collectives.all_gather_bytes),

@@ -34,14 +34,6 @@ def params_for(kind: str, hidden: int, heads: int, seed: int = 0) -> dict[str, n
     return {k: p[k] for k in MLP_KEYS} if kind == "mlp" else p
 
 
-def _on(devices, value):
-    out = []
-    for d in devices:
-        with tf.device(d):
-            out.append(tf.constant(value))
-    return out
-
-
 def _loss(o, t):
     return tf.reduce_mean((o - t) ** 2)
 
@@ -78,7 +70,7 @@ def train_steps(device_names: Sequence[str], n: int, kind: str = "mlp", batch: i
         return loss
 
     shards = tp.to_variables(tp.shard(params, n, heads if kind == "block" else None), devs)
-    xs, ys = _on(devs, x), _on(devs, y)
+    xs, ys = collectives.place(x, devs), collectives.place(y, devs)
 
     @tf.function
     def hand():
@@ -119,7 +111,7 @@ def counted_bytes(device_names: Sequence[str], n: int, kind: str = "mlp", batch:
     formula ``tp.bytes_per_step``: ``{"counted_min", "counted_max", "formula"}``."""
     devs = list(device_names[:n])
     shards = tp.to_variables(tp.shard(params_for(kind, hidden, heads), n), devs)
-    xs = _on(devs, np.ones((batch, seq, hidden), np.float32))
+    xs = collectives.place(np.ones((batch, seq, hidden), np.float32), devs)
 
     def step(xs):
         with tf.GradientTape() as tape:

@@ -26,7 +26,14 @@ import numpy as np
 import tensorflow as tf
 
 from accel import checks
-from accel.collectives import all_reduce, all_reduce_bytes, check_tensors, collective_op, on_device
+from accel.collectives import (
+    all_reduce,
+    all_reduce_bytes,
+    check_tensors,
+    collective_op,
+    on_device,
+    place,
+)
 
 __all__ = ["SPLIT_AXES", "init_block", "mlp", "block", "layer_norm", "attention", "shard",
            "unshard", "to_variables", "copy_to_shards", "reduce_from_shards",
@@ -144,18 +151,10 @@ def to_variables(shards: Sequence[Mapping], devices: Sequence[str]) -> list[dict
     return out
 
 
-def _each(devices, xs):
-    out = []
-    for x, d in zip(xs, devices, strict=True):
-        with tf.device(d):
-            out.append(tf.identity(x))
-    return out
-
-
 def copy_to_shards(xs: Sequence, devices: Sequence[str]) -> list:
     """Megatron's f: identity forward; all-reduce of the gradients backward."""
     xs = check_tensors(xs, devices)
-    return collective_op("CopyToShards", xs, devices, lambda t: _each(devices, t),
+    return collective_op("CopyToShards", xs, devices, lambda t: place(list(t), devices),
                          lambda dys: all_reduce(dys, devices))
 
 
@@ -163,7 +162,7 @@ def reduce_from_shards(partials: Sequence, devices: Sequence[str]) -> list:
     """Megatron's g: all-reduce forward; identity backward."""
     partials = check_tensors(partials, devices)
     return collective_op("ReduceFromShards", partials, devices,
-                         lambda t: all_reduce(t, devices), lambda dys: _each(devices, dys))
+                         lambda t: all_reduce(t, devices), lambda dys: place(list(dys), devices))
 
 
 def gather_from_shards(parts: Sequence, devices: Sequence[str]) -> list:
@@ -172,10 +171,10 @@ def gather_from_shards(parts: Sequence, devices: Sequence[str]) -> list:
     n, width = len(devices), parts[0].shape[-1]
 
     def forward(ts):
-        return _each(devices, [tf.concat(ts, -1)] * n) if n > 1 else _each(devices, ts)
+        return place([tf.concat(ts, -1)] * n, devices) if n > 1 else place(list(ts), devices)
 
     def backward(dys):
-        return _each(devices, [dy[..., j * width:(j + 1) * width] for j, dy in enumerate(dys)])
+        return place([dy[..., j * width:(j + 1) * width] for j, dy in enumerate(dys)], devices)
 
     return collective_op("GatherFromShards", parts, devices, forward, backward)
 

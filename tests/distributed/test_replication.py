@@ -5,7 +5,7 @@ every gradient exactly once, each at a recorded version."""
 import numpy as np
 import pytest
 
-from accel import data, models
+from accel import models
 from accel.distributed import cluster as C
 from accel.distributed import replication as R
 
@@ -16,14 +16,6 @@ LR, STEPS = 0.05, 6
 def cluster():
     with C.LocalCluster(ps=1, workers=2, timeout=90) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def problem():
-    x, y, _ = data.regression(256, 8, 1, seed=0)
-    init = models.mlp_init([8, 16, 1], seed=0)
-    batches = R.global_batches(x, y, 32, STEPS)
-    return init, batches, R.reference_sgd(init, batches, LR)
 
 
 def close(actual, ref):

@@ -4,20 +4,11 @@ on the global batch; ParameterServerStrategy finishes after losing a worker mid-
 import numpy as np
 import pytest
 
-from accel import data, models
+from accel import models
 from accel.distributed import cluster as C
-from accel.distributed import replication as R
 from accel.distributed import tf2_runs as T
 
 LR, STEPS = 0.05, 6
-
-
-@pytest.fixture(scope="module")
-def problem():
-    x, y, _ = data.regression(256, 8, 1, seed=0)
-    init = models.mlp_init([8, 16, 1], seed=0)
-    batches = R.global_batches(x, y, 32, STEPS)
-    return init, batches, R.reference_sgd(init, batches, LR)
 
 
 @pytest.mark.slow

@@ -20,14 +20,6 @@ def _close(actual, ref):
                                atol=max(1e-6 * np.max(np.abs(ref)), 1e-12))
 
 
-def _replicas(x, devices):
-    out = []
-    for d in devices:
-        with tf.device(d):
-            out.append(tf.constant(x))
-    return out
-
-
 def _data(shape=(B, S, H), seed=1):
     rng = np.random.default_rng(seed)
     return rng.standard_normal(shape), rng.standard_normal(shape)
@@ -46,7 +38,7 @@ def _single_grads(params, x, y, fn):
 
 def _tp_grads(params, x, y, fn, devices, heads=None):
     shards = tp.to_variables(tp.shard(params, len(devices), heads), devices)
-    xs, ys = _replicas(x, devices), _replicas(y, devices)
+    xs, ys = collectives.place(x, devices), collectives.place(y, devices)
 
     @tf.function
     def run(xs):
@@ -95,7 +87,7 @@ def test_column_and_row_parallel_dense(four_devices, n):
     r = rng.standard_normal((5, 12))
     ws = [tf.Variable(p) for p in np.split(w, n, axis=1)]
     bs = [tf.Variable(p) for p in np.split(b, n)]
-    xs = _replicas(x, devs)
+    xs = collectives.place(x, devs)
     with tf.GradientTape() as tape:
         tape.watch(xs)
         ys = tp.column_parallel_dense(xs, ws, bs, devs, gather=True)
@@ -137,7 +129,7 @@ def _train(params, x, y, devices, steps, lr=0.05):
             losses.append(float(loss))
         return losses, {k: t.numpy() for k, t in v.items()}
     shards = tp.to_variables(tp.shard(params, len(devices), HEADS), devices)
-    xs, ys = _replicas(x, devices), _replicas(y, devices)
+    xs, ys = collectives.place(x, devices), collectives.place(y, devices)
 
     @tf.function
     def step():
@@ -174,27 +166,12 @@ def test_training_gives_the_single_device_loss_curve_and_weights(four_devices, n
 def test_all_reduces_and_bytes_counted_in_the_graph_that_ran(four_devices, n, kind):
     """forward + backward (with the input's gradient, as for a layer inside a stack): each
     all-reduce sends the activation from every device to each of the n - 1 others."""
-    devs = four_devices[:n]
-    params = tp.init_block(H, HEADS, seed=0)
-    if kind == "mlp":
-        params = {k: params[k] for k in ("w1", "b1", "w2", "b2")}
-    shards = tp.to_variables(tp.shard(params, n), devs)
-    x, _ = _data()
-    xs = _replicas(x.astype(np.float32), devs)
+    from accel.course.tensor_parallel import counted_bytes
 
-    def step(xs):
-        with tf.GradientTape() as tape:
-            tape.watch(xs)
-            outs = (tp.tp_mlp(shards, xs, devs) if kind == "mlp"
-                    else tp.tp_block(shards, xs, devs, HEADS))
-            ls = [collectives.on_device(tf.reduce_sum, d, o) for o, d in zip(outs, devs,
-                                                                                strict=True)]
-        return tape.gradient(ls, [xs, shards])
-
-    sent = collectives.sent_bytes(step, xs)
+    got = counted_bytes(four_devices, n, kind, batch=B, seq=S, hidden=H, heads=HEADS)
     per = {"mlp": 2, "block": 4}[kind]  # all-reduces per step, by hand (Megatron-LM section 3)
     activation = B * S * H * 4
-    assert sent == {d: per * (n - 1) * activation for d in devs}
+    assert got["counted_min"] == got["counted_max"] == per * (n - 1) * activation
     assert tp.bytes_per_step(kind, [B, S, H], n) == per * (n - 1) * activation
 
 
@@ -209,7 +186,7 @@ def test_bad_input_names_the_value(four_devices):
     shards = tp.shard(params, 2)
     shards[1]["w1"] = shards[1]["w1"][:, :-1]
     with pytest.raises(ValueError, match=r"shards of w1 differ in shape across devices"):
-        tp.tp_mlp(shards, _replicas(np.ones((2, H), np.float32), four_devices[:2]),
+        tp.tp_mlp(shards, collectives.place(np.ones((2, H), np.float32), four_devices[:2]),
                   four_devices[:2])
     with pytest.raises(ValueError, match="heads=3 is not divisible by n=2 devices"):
         tp.tp_block(tp.shard(params, 2), [], four_devices[:2], 3)

@@ -5,17 +5,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from accel import collectives
 from accel.parallel import vocab as vp
 
 V, H, B = 16, 6, 5
-
-
-def _replicas(x, devices):
-    out = []
-    for d in devices:
-        with tf.device(d):
-            out.append(tf.constant(x))
-    return out
 
 
 def _close(actual, ref):
@@ -37,7 +30,7 @@ def test_embedding_and_its_gradient_equal_tf_lookup(four_devices, n):
     ref_g = tf.convert_to_tensor(tape.gradient(ref_loss, full))
     shards = [tf.Variable(p) for p in np.split(table, n)]
     with tf.GradientTape() as tape:
-        outs = vp.vocab_parallel_embedding(_replicas(ids, devs), shards, devs)
+        outs = vp.vocab_parallel_embedding(collectives.place(ids, devs), shards, devs)
         losses = [tf.reduce_sum(o * r) for o in outs]
     grads = tape.gradient(losses, shards)
     for o in outs:
@@ -60,7 +53,7 @@ def test_cross_entropy_and_its_gradient_equal_tf(four_devices, n):
     parts = [tf.constant(p) for p in np.split(logits, n, axis=1)]
     with tf.GradientTape() as tape:
         tape.watch(parts)
-        outs = vp.vocab_parallel_cross_entropy(parts, _replicas(labels, devs), devs)
+        outs = vp.vocab_parallel_cross_entropy(parts, collectives.place(labels, devs), devs)
         losses = [tf.reduce_mean(o) for o in outs]
     grads = tape.gradient(losses, parts)
     for o in outs:
@@ -73,5 +66,5 @@ def test_bad_input(four_devices):
         vp.vocab_ranges(10, 4)
     assert vp.vocab_ranges(8, 2) == [(0, 4), (4, 8)]
     with pytest.raises(ValueError, match="shapes differ across devices"):
-        vp.vocab_parallel_embedding(_replicas(np.zeros(2, np.int32), four_devices[:2]),
+        vp.vocab_parallel_embedding(collectives.place(np.zeros(2, np.int32), four_devices[:2]),
                                     [tf.ones((4, 2)), tf.ones((3, 2))], four_devices[:2])
