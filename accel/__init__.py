@@ -24,8 +24,11 @@ part II      accel.memory.estimate (04)        training memory estimated per par
              accel.memory.measure (04)         what TensorFlow holds: tape tensors, peaks, scratch
              accel.memory.config (04)          TF1 ConfigProto / TF2 GPU memory plans
              accel.memory.savings (04)         recomputation and mixed precision, measured
-collectives  accel.collectives (09, 11)        all-reduce, all-gather, reduce-scatter by hand,
-                                               placed gradients, bytes counted from the graph
+collectives  accel.collectives.base (09-12)   checks, one value per device, collective_op
+             accel.collectives.direct (09-12) all-reduce, all-gather, reduce-scatter,
+                                               all-to-all by hand, exact placed gradients
+             accel.collectives.counting       bytes per device: formulas, and counted from
+                                               the graph that ran (sent_bytes)
 part III     accel.parallel.staleness (05)     the server's decision rules, records, staleness
              accel.parallel.parameter_server   parameter server + worker threads (05)
              accel.parallel.data (06)          data parallelism by hand: the towers recipe

@@ -185,3 +185,5 @@ def test_measured_figures_are_saved_only_by_make_execute(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCEL_SAVE_FIGURES", "1")
     assert registry.save_measured_figure(fig, "m.png", out=tmp_path) == tmp_path / "m.png"
     assert (tmp_path / "m.png").stat().st_size > 1000
+    assert registry.figure_run(tmp_path / "m.png") == registry.RUN_ID
+    assert len(registry.RUN_ID) == 12

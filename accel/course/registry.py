@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import importlib
 import os
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from accel import devices
 
 __all__ = ["BENCHMARKS", "FIGURES", "BENCH_DEVICES", "get", "run", "run_all", "list_lines",
-           "save_figures", "save_measured_figure"]
+           "save_figures", "save_measured_figure",
+           "figure_run", "RUN_ID"]
 
 BENCH_DEVICES = 4
 
@@ -113,13 +115,30 @@ def save_figures(out: str | Path = "images", names: Sequence[str] | None = None)
     return saved
 
 
+RUN_ID = os.environ.get("ACCEL_RUN_ID") or uuid.uuid4().hex[:12]
+RUN_KEY = "accel-run"  # the PNG text field that holds the id of the run that drew the figure
+
+
 def save_measured_figure(fig, name: str, out: str | Path = "../images") -> Path | None:
     """Save a figure that shows a measurement of this run, from the notebook cell that shows it,
     but only while ``make execute`` stores the chapter's outputs (it sets ``ACCEL_SAVE_FIGURES=1``):
     the stored numbers and the saved figure then come from the same run, and re-running the
-    chapter (nbval, JupyterLab) leaves ``images/`` alone. Returns the path written, or ``None``."""
+    chapter (nbval, JupyterLab) leaves ``images/`` alone. It prints this run's id, which the
+    saved PNG also carries (``figure_run``), so a test can tell a figure from another run (the
+    cell calling it is a measurement: ``# NBVAL_IGNORE_OUTPUT``). Returns the path written, or
+    ``None``."""
     if os.environ.get("ACCEL_SAVE_FIGURES") != "1":
+        print(f"measured in run {RUN_ID} (images/{name} is saved by `make execute` only)")
         return None
     path = Path(out) / name
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={RUN_KEY: RUN_ID})
+    print(f"measured in run {RUN_ID}; saved images/{name}")
     return path
+
+
+def figure_run(path: str | Path) -> str | None:
+    """The run id stored in a PNG saved by ``save_measured_figure``, or ``None``."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.text.get(RUN_KEY) if hasattr(image, "text") else None

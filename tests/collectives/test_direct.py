@@ -99,3 +99,31 @@ def test_bad_input_names_the_value(four_devices):
         collectives.reduce_scatter([tf.ones(3), tf.ones(3)], devs)
     with pytest.raises(ValueError, match="algorithm must be one of"):
         collectives.all_reduce([tf.ones(2), tf.ones(2)], devs, algorithm="ring?")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_all_to_all_matches_numpy_and_its_gradient_is_the_reverse_exchange(four_devices, n):
+    """Device j gets block j of every device's rows, side by side (split rows, concat columns);
+    d/dx_i of sum_j <w_j, y_j> puts block i of every w_j back in the rows of x_i."""
+    devs = four_devices[:n]
+    arrays = _arrays(n, (2 * n, 3))
+    ws = _arrays(n, (2, 3 * n), seed=4)
+    xs = collectives.place(list(arrays), devs)
+    with tf.GradientTape() as tape:
+        tape.watch(xs)
+        ys = collectives.all_to_all(xs, devs, split_axis=0, concat_axis=1)
+        loss = [tf.reduce_sum(y * w) for y, w in zip(ys, ws, strict=True)]
+    grads = tape.gradient(loss, xs)
+    for j, y in enumerate(ys):
+        expected = np.concatenate([a[2 * j:2 * j + 2] for a in arrays], axis=1)
+        np.testing.assert_array_equal(y.numpy(), expected)
+        assert y.device.endswith(devs[j].split("device:")[-1])
+    for i, g in enumerate(grads):
+        expected = np.concatenate([w[:, 3 * i:3 * i + 3] for w in ws], axis=0)
+        np.testing.assert_array_equal(g.numpy(), expected)
+    sent = collectives.sent_bytes(lambda xs: collectives.all_to_all(xs, devs), xs)
+    nbytes = 2 * n * 3 * 8
+    assert sent == {d: (n - 1) * nbytes // n for d in devs}
+    assert sent == {d: collectives.all_to_all_bytes(nbytes, n) for d in devs}
+    with pytest.raises(ValueError, match="size 3, not divisible by the 2 devices"):
+        collectives.all_to_all([tf.ones((2, 3)), tf.ones((2, 3))], devs[:2], split_axis=1)

@@ -1,0 +1,93 @@
+"""Bytes a collective moves: the formulas (what each device sends), and ``sent_bytes``, which
+counts them in the graph that ran, so the two can be checked against each other."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from accel.collectives.direct import check_algorithm
+from accel.placement import placement_of, short_device
+
+__all__ = ["check_sizes", "all_reduce_bytes", "all_gather_bytes", "reduce_scatter_bytes",
+           "all_to_all_bytes", "sent_bytes"]
+
+
+def check_sizes(nbytes: int, n: int) -> tuple[int, int]:
+    """``ValueError`` unless ``nbytes >= 0`` and ``n >= 1`` are ints; returns them."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n (the number of devices) must be an int >= 1, got {n!r}")
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+    return nbytes, n
+
+
+def all_reduce_bytes(nbytes: int, n: int, algorithm: str = "direct") -> int:
+    """Bytes each device sends in ``all_reduce`` of ``nbytes``-byte tensors on ``n`` devices:
+    ``direct``: its whole tensor to each of the others, ``(n - 1) * nbytes``."""
+    check_algorithm(algorithm)
+    nbytes, n = check_sizes(nbytes, n)
+    return (n - 1) * nbytes
+
+
+def all_gather_bytes(nbytes: int, n: int) -> int:
+    """Bytes each device sends in ``all_gather`` of ``nbytes``-byte parts: ``(n - 1) * nbytes``."""
+    nbytes, n = check_sizes(nbytes, n)
+    return (n - 1) * nbytes
+
+
+def reduce_scatter_bytes(nbytes: int, n: int) -> int:
+    """Bytes each device sends in ``reduce_scatter`` of ``nbytes``-byte tensors: one part of
+    ``nbytes / n`` to each of the others, ``(n - 1) * nbytes / n``."""
+    nbytes, n = check_sizes(nbytes, n)
+    if nbytes % n:
+        raise ValueError(f"nbytes={nbytes} does not split into {n} equal parts")
+    return (n - 1) * nbytes // n
+
+
+def all_to_all_bytes(nbytes: int, n: int) -> int:
+    """Bytes each device sends in ``all_to_all`` of ``nbytes``-byte tensors: one part of
+    ``nbytes / n`` to each of the others, ``(n - 1) * nbytes / n`` (as ``reduce_scatter``)."""
+    return reduce_scatter_bytes(nbytes, n)
+
+
+def sent_bytes(fn, *args) -> dict[str, int]:
+    """Run ``fn(*args)`` once (a ``tf.function`` or plain callable) and count, per sending
+    device, the bytes of the tensors its ``_Send`` nodes shipped to another device. Sizes come
+    from the traced graph's static shapes, so graph rewriting (grappler) is switched off for this
+    one run: every send then maps back to a tensor of the traced graph. What ``fn`` returns is
+    cut to empty slices on its own devices first, so handing results back ships no bytes (a
+    function's outputs are gathered on the default device). Devices that sent nothing are
+    absent."""
+    inner = getattr(fn, "python_function", fn)
+
+    def emptied(*xs):  # what fn returns, cut to empty slices on their own devices
+        out = []
+        for y in tf.nest.flatten(inner(*xs)):
+            with tf.device(y.device):
+                out.append(tf.reshape(y, [-1])[:0])
+        return out
+
+    fn = tf.function(emptied)
+    previous = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    try:
+        ran = placement_of(fn, *args)
+    finally:
+        tf.config.optimizer.set_experimental_options(
+            {"disable_meta_optimizer": previous.get("disable_meta_optimizer", False)})
+    sent: dict[str, int] = {}
+    for gd in ran.graphs:
+        made_here = {n.name: n.op for n in gd.node}
+        for node in gd.node:
+            if node.op != "_Send" or made_here.get(node.input[0].split(":")[0]) == "Const" \
+                    and "/ctrl/" in node.input[0]:
+                continue  # a control edge crossing devices: an empty dummy tensor is sent
+            name = node.input[0] if ":" in node.input[0] else node.input[0] + ":0"
+            t = ran.traced.get_tensor_by_name(name)
+            if not t.shape.is_fully_defined():
+                raise ValueError(f"tensor {name} has no static shape ({t.shape}); cannot count")
+            size = int(np.prod(t.shape.as_list(), dtype=np.int64)) * t.dtype.size
+            src = short_device(node.attr["send_device"].s.decode())
+            sent[src] = sent.get(src, 0) + size
+    return sent
