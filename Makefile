@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp-install
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d
 NB     ?= chapters/*.ipynb
 FIG    ?=
 LAB_ARGS ?=
@@ -11,15 +12,16 @@ LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NBVAL  := --nbval --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 120
 export PYTHONHASHSEED := 0
 
-.PHONY: help install lab test unit nbval execute images lint bench clean
+.PHONY: help install lab test unit nbval execute images lint bench clean gpu-check
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 10
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml lab/overrides.json
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=68" wheel
 	$(BIN)/python -m pip install --quiet -e ".[course,test]"
+	mkdir -p $(LAB_SETTINGS) && cp lab/overrides.json $(LAB_SETTINGS)/accel-course.json
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install the package with its extras
@@ -42,6 +44,9 @@ execute: $(STAMP)  ## re-run notebooks in place (NB=chapters/01_devices.ipynb fo
 
 images: $(STAMP)  ## regenerate the figures in images/ from code (FIG=06_scaling.png for one)
 	$(BIN)/python -m accel images --out images $(FIG)
+
+gpu-check: $(STAMP)  ## the GPU paths of chapters 01-06, on a machine with a GPU (skipped without one)
+	$(BIN)/python -m pytest -v -rs -m gpu tests/gpu
 
 lint: $(STAMP)  ## ruff over the package, tests and notebooks
 	$(BIN)/ruff check accel tests chapters conftest.py

@@ -97,6 +97,15 @@ def test_bench_registry_and_cli(capsys):
     assert exit_info.value.code == 2
 
 
+def test_help_reads_as_plain_text(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "python -m accel bench NAME" in text
+    assert "``" not in text and ":func:" not in text
+
+
 def test_every_registered_figure_and_benchmark_resolves():
     import importlib
 
