@@ -22,7 +22,7 @@ KIND = os.environ.get("ACCEL_GPU_CHECK_KIND", "gpu")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(KIND == "gpu" and not tf.config.list_physical_devices("GPU"),
-                       reason="no GPU on this machine (make gpu-check runs these where there is one)"),
+                       reason="no GPU here (make gpu-check runs these where there is one)"),
 ]
 
 
