@@ -16,15 +16,16 @@ plan: memory per device and time per step, from plain numbers (no TensorFlow).
   Korthikanti et al. 2022's ``s b h (10 + 24 / t + 5 a s / (h t))`` bytes without recomputation,
   ``2 s b h`` (the layer's input) with it, plus one layer's full set while it is recomputed;
 * ``step_time``: compute at ``utilization`` of the peak, the pipeline's clock set by its
-  slowest stage, the last (its blocks and the logit layer, as Megatron-LM places it); per layer and micro-batch the
-  tensor-parallel all-reduces of the ``s b h`` activation (2 forward, 2 backward, 2 more when
-  recomputing: Shoeybi et al. 2019); the pipeline's ``(m + p - 1)`` slots (bubble ``(p - 1) / (m
-  + p - 1)``, ``accel.costmodel.pipeline``) with the boundary activation sent point-to-point,
-  split over the tensor group (Narayanan et al.'s scatter/gather); the data-parallel gradient
-  all-reduce once per step (ZeRO 1-2: reduce-scatter + all-gather, the same bytes; ZeRO 3: two
-  all-gathers and a reduce-scatter per micro-batch), of which ``dp_overlap`` is hidden behind
-  compute (0 by default: Megatron-LM all-reduces after the pipeline flush). Ring collectives at
-  the nominal bandwidth of the slowest link the group crosses.
+  slowest stage, the last (its blocks and the logit layer, as Megatron-LM places it); per layer
+  and micro-batch the tensor-parallel all-reduces of the ``s b h`` activation (2 forward, 2
+  backward, 2 more when recomputing: Shoeybi et al. 2019); the pipeline's ``(m + p - 1)`` slots
+  (bubble ``(p - 1) / (m + p - 1)``, ``accel.costmodel.pipeline``) with the boundary activation
+  sent point-to-point, split over the tensor group (Narayanan et al.'s scatter/gather); the
+  data-parallel gradient all-reduce once per step (``accel.costmodel.zero``: ZeRO 1-2 send the
+  same bytes; ZeRO 3 1.5 times as much, per micro-batch as it gathers the weights for each), of
+  which ``dp_overlap`` is hidden behind compute (0 by default: Megatron-LM all-reduces after the
+  pipeline flush). Ring collectives run at the nominal bandwidth of the slowest link the group
+  crosses.
 
 ``utilization`` defaults to ``UTILIZATION`` = 0.5, the share of the dense peak that every cost
 model of this course assumes (chapters 07-09); it is not fitted to any published result.
@@ -33,21 +34,20 @@ model of this course assumes (chapters 07-09); it is not fitted to any published
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from accel import checks
 from accel.costmodel.hardware import MEMORY_GB, NODES, peak_flops
 from accel.costmodel.pipeline import pipeline_step, stash_microbatches
 from accel.costmodel.tensor_parallel import ring_all_reduce_bytes
+from accel.costmodel.zero import BYTES_PER_PARAM, zero_bytes_per_device, zero_comm_bytes
 
-__all__ = ["UTILIZATION", "PRECISION_BYTES", "Transformer", "Cluster", "Plan", "Memory",
+__all__ = ["UTILIZATION", "Transformer", "Cluster", "Plan", "Memory",
            "StepTime", "layer_parameters", "stage_parameters", "state_bytes", "step_flops",
-           "microbatches", "memory_per_device", "step_time"]
+           "microbatches", "memory_per_device", "step_time", "stage_state_bytes"]
 
 UTILIZATION = 0.5
-# precision -> bytes per parameter of (weights, gradients, optimizer states) with Adam:
-# mixed = fp16/bf16 weights and gradients, fp32 master weights + 2 slots (ZeRO, section 3.1)
-PRECISION_BYTES: dict[str, tuple[int, int, int]] = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,8 @@ class Memory:
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds of one step and its parts; ``tflops_per_gpu`` counts eq. 3's FLOPs."""
+    """Seconds of one step and its parts; ``tflops_per_gpu``: the FLOPs the plan does (eq. 3
+    with recomputation, as the paper counts) per GPU and second."""
 
     step_s: float
     compute_s: float
@@ -159,34 +160,32 @@ class StepTime:
     tflops_per_gpu: float
 
 
-def layer_parameters(hidden: int, tensor: int = 1) -> float:
+def layer_parameters(hidden: int, tensor: int = 1) -> int:
     """Parameters one device holds of one block split ``tensor`` ways, as
     ``accel.parallel.tensor.shard`` splits it: ``(12 h^2 + 7 h) / t`` split, ``6 h`` (two
     LayerNorms, the two output biases) replicated."""
     h, t = checks.positive_int("hidden", hidden), checks.positive_int("tensor", tensor)
-    return (12 * h * h + 7 * h) / t + 6 * h
+    if h % t:
+        raise ValueError(f"tensor={t} does not divide hidden={h}")
+    return (12 * h * h + 7 * h) // t + 6 * h
 
 
-def stage_parameters(model: Transformer, plan: Plan) -> float:
+def stage_parameters(model: Transformer, plan: Plan) -> int:
     """Parameters of one device of the first stage: ``ceil(l / p)`` blocks and the embeddings
     (the word embedding split over the tensor group, the position embedding replicated)."""
     blocks = math.ceil(model.layers / plan.pipeline)
     return (blocks * layer_parameters(model.hidden, plan.tensor)
-            + model.vocab * model.hidden / plan.tensor + model.seq * model.hidden)
+            + model.vocab * model.hidden // plan.tensor + model.seq * model.hidden)
 
 
 def state_bytes(params: float, precision: str = "mixed", zero: int = 0,
                 data: int = 1) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of ``params`` parameters with Adam, ZeRO stage
-    ``zero`` sharding them over ``data`` replicas (Rajbhandari et al. 2019: stage 1 the
-    optimizer states, 2 also the gradients, 3 also the weights)."""
-    checks.non_negative_number("params", params)
-    checks.one_of("precision", precision, PRECISION_BYTES)
-    checks.one_of("zero", zero, (0, 1, 2, 3))
-    d = checks.positive_int("data", data)
-    w, g, o = PRECISION_BYTES[precision]
-    return (params * w / (d if zero >= 3 else 1), params * g / (d if zero >= 2 else 1),
-            params * o / (d if zero >= 1 else 1))
+    ``zero`` sharding them over ``data`` replicas: ``accel.costmodel.zero``'s formulas
+    (Rajbhandari et al. 2019: stage 1 the optimizer states, 2 also the gradients, 3 also the
+    weights)."""
+    z = zero_bytes_per_device(checks.positive_int("params", params), data, zero, precision)
+    return z["weights"], z["grads"], z["optimizer"]
 
 
 def _block_flops(model: Transformer, batch: int, recompute: bool) -> float:
@@ -198,6 +197,22 @@ def _block_flops(model: Transformer, batch: int, recompute: bool) -> float:
 def _logit_flops(model: Transformer, batch: int) -> float:
     """The logit layer's ``6 b s h V`` (forward and backward, never recomputed)."""
     return 6 * checks.positive_int("batch", batch) * model.seq * model.hidden * model.vocab
+
+
+def stage_state_bytes(layer_params: Sequence[int], balance: Sequence[int],
+                      precision: str = "mixed", zero: int = 0,
+                      data: int = 1) -> list[tuple[float, float, float]]:
+    """(weights, gradients, optimizer) bytes of each stage of any layered model: layer ``i``
+    has ``layer_params[i]`` parameters, stage ``j`` the next ``balance[j]`` layers."""
+    sizes = [checks.positive_int("balance entry", k) for k in balance]
+    if sum(sizes) != len(layer_params):
+        raise ValueError(f"balance {list(balance)} covers {sum(sizes)} layers, but "
+                         f"layer_params lists {len(layer_params)}")
+    out, start = [], 0
+    for k in sizes:
+        out.append(state_bytes(sum(layer_params[start:start + k]), precision, zero, data))
+        start += k
+    return out
 
 
 def step_flops(model: Transformer, batch: int, recompute: bool = True) -> float:
@@ -235,7 +250,7 @@ def memory_per_device(model: Transformer, plan: Plan, batch: int,
     in_flight = stash_microbatches("1f1b", plan.pipeline, microbatches(plan, batch))
     acts = in_flight * math.ceil(model.layers / plan.pipeline) * kept
     acts += full if plan.recompute else 0.0
-    scale = PRECISION_BYTES[precision][0] / 2  # the formulas count 16-bit activations
+    scale = BYTES_PER_PARAM[precision]["weights"] / 2  # the formulas count 16-bit activations
     return Memory(w, g, o, acts * scale)
 
 
@@ -255,7 +270,7 @@ def step_time(model: Transformer, cluster: Cluster, plan: Plan, batch: int,
     if not 0 <= dp_overlap <= 1:
         raise ValueError(f"dp_overlap must be in [0, 1], got {dp_overlap!r}")
     t, p, d, b = plan.tensor, plan.pipeline, plan.data, plan.microbatch
-    m, itemsize = microbatches(plan, batch), PRECISION_BYTES[precision][0]
+    m, itemsize = microbatches(plan, batch), BYTES_PER_PARAM[precision]["weights"]
     rate = cluster.peak_flops * utilization
     # the slowest stage, the last: its blocks and the logit layer (Megatron-LM keeps it there)
     blocks = math.ceil(model.layers / p)
@@ -265,11 +280,10 @@ def step_time(model: Transformer, cluster: Cluster, plan: Plan, batch: int,
     tp = reduces * ring_all_reduce_bytes(act, t) / _bandwidth(cluster, t, 1)
     pp_bw = _bandwidth(cluster, 2, t * d)
     pipe = pipeline_step(stage + tp, p, m, boundary_bytes=act / t, bandwidth_bps=pp_bw)
-    grads = stage_parameters(model, plan) * PRECISION_BYTES[precision][1]
-    dp = ring_all_reduce_bytes(grads, d) / _bandwidth(cluster, d, t)
-    if plan.zero == 3:
-        dp *= 1.5 * m
+    sent = zero_comm_bytes(stage_parameters(model, plan), d, plan.zero, precision)
+    dp = sent * (m if plan.zero == 3 else 1) / _bandwidth(cluster, d, t)
     exposed = dp * (1 - dp_overlap)
     total = pipe.step_s + exposed
+    done = step_flops(model, batch, plan.recompute)
     return StepTime(total, m * stage, m * tp, (m + p - 1) * pipe.transfer_s, pipe.bubble_s,
-                    exposed, step_flops(model, batch) / (cluster.gpus * total) / 1e12)
+                    exposed, done / (cluster.gpus * total) / 1e12)

@@ -1,7 +1,8 @@
 """The planner's search: every data x tensor x pipeline x ZeRO plan of a model on a cluster,
 evaluated with ``accel.costmodel.planner`` (a MODEL), the ones that fit ranked by step time.
 
-* ``candidate_plans``: tensor sizes dividing the heads and the GPUs, pipeline sizes dividing
+* ``candidate_plans``: tensor sizes dividing the heads and the GPUs (and dividing a node's GPUs
+  or a multiple of them, so no group straddles two nodes), pipeline sizes dividing
   the layers (equal stages) and the rest, data replicas splitting the global batch, each ZeRO
   stage (only 0 with one replica), each micro-batch size and recomputation choice given;
 * ``evaluate`` / ``rank_plans``: memory and time of each plan; the plans that fit, fastest
@@ -61,8 +62,9 @@ def candidate_plans(model: Transformer, cluster: Cluster, batch: int,
         checks.positive_int("micro-batch size", b)
     n, out = cluster.gpus, []
     for t in _divisors(n):
-        if model.heads % t:
-            continue
+        per_node = cluster.gpus_per_node
+        if model.heads % t or (per_node % t and t % per_node):
+            continue  # a tensor group fills part of one node, or whole nodes
         for p in _divisors(n // t):
             d = n // (t * p)
             if model.layers % p:
@@ -91,7 +93,7 @@ def _no_fit_message(model: Transformer, cluster: Cluster, rows: list[Evaluated],
     have = cluster.memory_bytes
     missing = best.memory.total - have
     knobs = []
-    if True not in recompute and best.memory.activations > missing:
+    if True not in recompute:
         knobs.append("activation recomputation (recompute=True)")
     if 3 not in zero_stages:
         knobs.append("ZeRO stage 3")
