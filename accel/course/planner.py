@@ -57,12 +57,13 @@ def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
 
 
 def figure_terms(case: str = "39.1B on 8 DGX A100", top: int = 5):
-    """Stacked bars: each term of the modelled step of the ``top`` fastest layouts of ``case``
-    (compute, tensor-parallel all-reduces, bubble, data-parallel all-reduce)."""
+    """Stacked bars: each term of the modelled step of the ``top`` fastest (d, t, p) layouts of
+    ``case``, each with its first-ranked ZeRO stage and recomputation choice: compute,
+    tensor-parallel all-reduces, bubble, data-parallel all-reduce."""
     import matplotlib.pyplot as plt
 
     model, cluster, batch = CASES[case]
-    rows = plans.rank_plans(model, cluster, batch, zero_stages=(0,))
+    rows = plans.rank_plans(model, cluster, batch)
     seen, picked = set(), []
     for r in rows:
         key = (r.plan.data, r.plan.tensor, r.plan.pipeline)
@@ -75,14 +76,14 @@ def figure_terms(case: str = "39.1B on 8 DGX A100", top: int = 5):
              "tensor all-reduces": [r.time.tensor_s for r in picked],
              "bubble": [r.time.bubble_s for r in picked],
              "data all-reduce": [r.time.data_s for r in picked]}
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(8.5, 3.2))
     bottom = np.zeros(len(picked))
     for name, values in terms.items():
         ax.bar(labels, values, bottom=bottom, label=name)
         bottom += np.array(values)
     ax.set_ylabel("seconds per step (MODEL)")
     ax.set_title(f"{case}: where a step's time goes, fastest layouts first")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
