@@ -33,9 +33,11 @@ from __future__ import annotations
 import math
 
 from accel import checks
+from accel.costmodel.hardware import link_bandwidth, peak_flops
 
 __all__ = ["STAGES", "PRECISIONS", "ZERO_SOURCE", "BYTES_PER_PARAM", "shard_elements",
-           "zero_bytes_per_device", "zero_total_bytes", "zero_comm_bytes", "zero_formula"]
+           "zero_bytes_per_device", "zero_total_bytes", "zero_comm_bytes", "zero_formula",
+           "OFFLOAD_SOURCE", "offload_step", "offload_break_even_tokens"]
 
 ZERO_SOURCE = ("Rajbhandari, Rasley, Ruwase, He, 'ZeRO: Memory Optimizations Toward Training "
                "Trillion Parameter Models', arXiv:1910.02054 (2019), sections 5 and 7")
@@ -46,6 +48,9 @@ BYTES_PER_PARAM: dict[str, dict[str, int]] = {
     "mixed": {"weights": 2, "grads": 2, "optimizer": 12},
     "fp32": {"weights": 4, "grads": 4, "optimizer": 8},
 }
+OFFLOAD_SOURCE = ("Ren et al., 'ZeRO-Offload: Democratizing Billion-Scale Model Training', "
+                  "arXiv:2101.06840 (2021), section 4: fp16 gradients to the CPU, fp16 weights "
+                  "back, the Adam update on the CPU")
 _SHARDED = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"),
             3: ("optimizer", "grads", "weights")}
 
@@ -105,3 +110,34 @@ def zero_formula(stage: int, precision: str = "mixed") -> str:
     split = sum(v for k, v in per.items() if k in _SHARDED[stage])
     terms = ([f"{whole}Ψ"] if whole else []) + ([f"{split}Ψ/N"] if split else [])
     return " + ".join(terms)
+
+
+def offload_step(params: int, tokens: int, device: str, link: str, precision: str = "fp16",
+                 utilization: float = 0.5, bytes_per_param: int = 2) -> dict:
+    """MODEL of one step with the optimizer offloaded over ``link``: ``compute_s``, the GPU's
+    forward + backward, ``6 params tokens`` FLOPs at ``utilization`` of ``device``'s peak;
+    ``transfer_s``, the gradients down and the weights up (``bytes_per_param`` each, the two
+    directions at once: a PCIe link is full duplex); ``step_s`` = the larger when the two
+    overlap, and ``bottleneck``: ``"compute"`` (offload is free) or ``"transfer"``. The CPU's
+    Adam time is left out (ZeRO-Offload overlaps it with the next step)."""
+    params = checks.positive_int("params", params)
+    tokens = checks.positive_int("tokens", tokens)
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
+    compute = 6 * params * tokens / (peak_flops(device, precision) * utilization)
+    transfer = params * checks.positive_int("bytes_per_param", bytes_per_param) / \
+        link_bandwidth(link)
+    return {"compute_s": compute, "transfer_s": transfer, "step_s": max(compute, transfer),
+            "bottleneck": "compute" if compute >= transfer else "transfer"}
+
+
+def offload_break_even_tokens(device: str, link: str, precision: str = "fp16",
+                              utilization: float = 0.5, bytes_per_param: int = 2) -> float:
+    """Tokens per GPU and step above which the offload traffic hides under the compute:
+    ``6 params tokens / R = bytes_per_param params / B`` gives ``tokens = bytes_per_param R /
+    (6 B)``, whatever the model's size."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
+    rate = peak_flops(device, precision) * utilization
+    return checks.positive_int("bytes_per_param", bytes_per_param) * rate / \
+        (6 * link_bandwidth(link))

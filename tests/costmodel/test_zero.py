@@ -49,3 +49,17 @@ def test_bad_input(kwargs, match):
     args = {"params": 100, "n": 4, "stage": 1, "precision": "fp32"} | kwargs
     with pytest.raises(ValueError, match=match):
         cm.zero_bytes_per_device(**args)
+
+
+def test_offload_verdict_by_hand():
+    # A100 bf16 peak 312e12 at 50% = 156e12 FLOP/s; PCIe 4.0 x16 31.5e9 B/s:
+    # break-even tokens = 2 * 156e12 / (6 * 31.5e9) = 1650.8
+    t = cm.offload_break_even_tokens("NVIDIA A100", "PCIe 4.0 x16", "bf16")
+    assert t == pytest.approx(2 * 156e12 / (6 * 31.5e9))
+    small = cm.offload_step(10**9, 512, "NVIDIA A100", "PCIe 4.0 x16", "bf16")
+    big = cm.offload_step(10**9, 8192, "NVIDIA A100", "PCIe 4.0 x16", "bf16")
+    assert small["transfer_s"] == pytest.approx(2e9 / 31.5e9)
+    assert big["compute_s"] == pytest.approx(6e9 * 8192 / 156e12)
+    assert (small["bottleneck"], big["bottleneck"]) == ("transfer", "compute")
+    with pytest.raises(ValueError, match="utilization must be in"):
+        cm.offload_step(10, 10, "NVIDIA A100", "PCIe 4.0 x16", utilization=0)
