@@ -26,12 +26,15 @@ CASES: dict[str, tuple[pl.Transformer, pl.Cluster, int]] = {
 
 def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
     """name -> (planner's bytes, bytes counted from real variables): chapter 04's estimate of a
-    Keras MLP trained with Adam, chapter 07's layers split over 3 devices (bytes on each), and
-    chapter 09's tensor-parallel shards of a transformer block (bytes on one device)."""
+    Keras MLP trained with Adam, chapter 07's layers split over 3 devices (bytes on each),
+    chapter 09's tensor-parallel shards of a transformer block and chapter 12's ZeRO stages 1-3
+    on 4 devices (bytes on one device)."""
     from accel.course import model_parallel as course07
     from accel.parallel import model as mp
     from accel.parallel import tensor
     from accel.parallel.layers import mlp_layers
+    from accel.parallel.zero import ZeroStep
+    from accel.training import squared_error
 
     out = {}
     keras = models.keras_mlp([32, 64, 64, 10])
@@ -53,6 +56,11 @@ def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
         out[f"ch09 block over {t}, one device's weights"] = (
             int(pl.state_bytes(pl.layer_parameters(16, t), "fp32")[0]),
             4 * sum(int(np.size(v)) for v in shard.values()))
+    arrays = models.mlp_init([8, 16, 4])  # 144 + 68 parameters: 4 equal slices, no padding
+    for stage in (1, 2, 3):
+        held = ZeroStep(arrays, device_names[:4], stage, squared_error).held_bytes()
+        out[f"ch12 ZeRO {stage} over 4, one device"] = (
+            int(sum(pl.state_bytes(144 + 68, "fp32", stage, 4))), held[device_names[0]]["total"])
     return out
 
 

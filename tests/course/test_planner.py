@@ -7,7 +7,7 @@ from accel.course import planner as course
 
 def test_memory_checks_are_equal(four_devices):
     checks = course.memory_checks(four_devices)
-    assert len(checks) == 6
+    assert len(checks) == 9
     for name, (predicted, counted) in checks.items():
         assert predicted == counted, name
     # chapter 07's first device: 8x16+16 and 16x16+16 parameters, 16 bytes each (float32 Adam)
