@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from accel import checks
-from accel.costmodel.hardware import MEMORY_GB, NODES, peak_flops
+from accel.costmodel.hardware import MEMORY_GB, NODES, link_bandwidth, peak_flops
 from accel.costmodel.pipeline import pipeline_step, stash_microbatches
 from accel.costmodel.tensor_parallel import ring_all_reduce_bytes
 from accel.costmodel.zero import BYTES_PER_PARAM, zero_bytes_per_device, zero_comm_bytes
@@ -106,7 +106,7 @@ class Cluster:
             nodes = gpus // per_node
         return cls(per_node, checks.positive_int("nodes", nodes),
                    MEMORY_GB["NVIDIA A100"].value * 1e9, peak_flops("NVIDIA A100", "bf16"),
-                   300e9, out.value * 1e9)  # NVLink 3: LINKS["NVLink 3 (A100, per GPU)"]
+                   link_bandwidth("NVLink 3 (A100, per GPU)"), out.value * 1e9)
 
 
 @dataclass(frozen=True)

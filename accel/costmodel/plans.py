@@ -72,7 +72,7 @@ def candidate_plans(model: Transformer, cluster: Cluster, batch: int,
             for b in microbatch_sizes:
                 if batch % (d * b):
                     continue
-                for z in (zero_stages if d > 1 else [z for z in zero_stages if z == 0][:1]):
+                for z in (zero_stages if d > 1 else [0]):  # ZeRO over 1 replica: plain
                     out += [Plan(d, t, p, z, b, r) for r in recompute]
     return out
 
