@@ -16,6 +16,9 @@ costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, 
              accel.costmodel.model_parallel    naive model parallelism on GPUs: step, idle (07)
              accel.costmodel.pipeline (08)     pipeline step, bubble, transformer activations
              accel.costmodel.tensor_parallel   when tensor parallelism pays; Megatron's scaling (09)
+             accel.costmodel.planner (12)      memory per GPU and step time of a d x t x p plan
+             accel.costmodel.plans (12)        every plan enumerated, the ones that fit ranked
+             accel.costmodel.megatron_table    the planner vs Narayanan et al. 2021, Table 1 (12)
 part I       accel.devices (01)                device names, physical vs logical devices, setup()
              accel.kernels (03)                the kernel registry: op x device type x dtype
              accel.placement (02, 03)          where ops ran (placement_of), device functions,

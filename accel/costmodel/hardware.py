@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from accel import checks
 
-__all__ = ["Spec", "PEAK_TFLOPS", "LINKS", "peak_flops", "link_bandwidth", "PRECISIONS"]
+__all__ = ["Spec", "PEAK_TFLOPS", "LINKS", "peak_flops", "link_bandwidth", "PRECISIONS",
+           "MEMORY_GB", "NODES"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,21 @@ LINKS: dict[str, Spec] = {
     "100 Gb Ethernet": Spec(12.5, "IEEE 802.3ba: 100 Gb/s"),
     "InfiniBand HDR (200 Gb/s)": Spec(25.0, "InfiniBand Trade Association roadmap: HDR 200 Gb/s"),
     "InfiniBand NDR (400 Gb/s)": Spec(50.0, "InfiniBand Trade Association roadmap: NDR 400 Gb/s"),
+}
+
+
+# device -> memory per GPU in GB (10^9 bytes)
+MEMORY_GB: dict[str, Spec] = {
+    "NVIDIA V100": Spec(32.0, _V100 + " (32 GB model)"),
+    "NVIDIA A100": Spec(80.0, _A100 + " (80 GB model)"),
+    "NVIDIA H100 SXM": Spec(80.0, _H100),
+}
+
+_DGX_A100 = ("NVIDIA DGX A100 data sheet, 2020: 8 A100 GPUs joined by NVSwitch, 8 single-port "
+             "ConnectX-6 200 Gb/s HDR InfiniBand adapters for the compute network")
+# node -> (GPUs per node, one-direction bandwidth per GPU out of the node in GB/s)
+NODES: dict[str, tuple[int, Spec]] = {
+    "DGX A100": (8, Spec(25.0, _DGX_A100 + ": one 200 Gb/s (25 GB/s) adapter per GPU")),
 }
 
 

@@ -55,19 +55,25 @@ class PipelineEstimate:
 
 
 def pipeline_step(stage_s: float, num_stages: int, num_microbatches: int,
-                  boundary_bytes: float = 0.0, link: str | None = None) -> PipelineEstimate:
+                  boundary_bytes: float = 0.0, link: str | None = None,
+                  bandwidth_bps: float | None = None) -> PipelineEstimate:
     """A balanced synchronous pipeline (GPipe or 1F1B: same step time): ``stage_s`` is one
     stage's forward + backward time for one micro-batch; each micro-batch also sends
     ``boundary_bytes`` of activations forward and as many gradient bytes back over ``link``
-    at every stage boundary, not overlapped with compute (a pessimistic bound). The clock has
-    ``m + p - 1`` slots of ``stage_s + transfer``."""
+    at every stage boundary (or at ``bandwidth_bps`` bytes/s if given instead of a link), not
+    overlapped with compute (a pessimistic bound). The clock has ``m + p - 1`` slots of
+    ``stage_s + transfer``."""
     checks.non_negative_number("stage_s", stage_s)
     checks.positive_int("num_stages", num_stages)
     checks.positive_int("num_microbatches", num_microbatches)
     checks.non_negative_number("boundary_bytes", boundary_bytes)
-    if boundary_bytes and link is None:
-        raise ValueError("boundary_bytes > 0 needs a link (a key of hardware.LINKS)")
-    transfer = 2 * boundary_bytes / link_bandwidth(link) if boundary_bytes else 0.0
+    if boundary_bytes and link is None and bandwidth_bps is None:
+        raise ValueError("boundary_bytes > 0 needs a link (a key of hardware.LINKS) or "
+                         "bandwidth_bps")
+    if bandwidth_bps is None:
+        bandwidth_bps = link_bandwidth(link) if boundary_bytes else 1.0
+    bandwidth_bps = checks.positive_number("bandwidth_bps", bandwidth_bps)
+    transfer = 2 * boundary_bytes / bandwidth_bps
     transfer = transfer if num_stages > 1 else 0.0
     slot = stage_s + transfer
     m, p = num_microbatches, num_stages

@@ -58,6 +58,7 @@ FIGURES: dict[str, str] = {
     "08_schedules.png": "accel.course.pipeline:figure_schedules",
     "09_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",
     "09_tp_cost.png": "accel.course.tensor_parallel:figure_tp_cost",
+    "12_planner_terms.png": "accel.course.planner:figure_terms",
 }
 
 

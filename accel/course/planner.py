@@ -1,0 +1,112 @@
+"""Chapter 12's planner sections: the planner's memory predictions next to the bytes the course
+counts on its own devices, the step-time terms of a few plans as a figure (a cost model: fixed
+data), and the exercise's check."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from accel import models
+from accel.costmodel import planner as pl
+from accel.costmodel import plans
+from accel.memory.estimate import estimate_training_memory
+
+__all__ = ["CASES", "memory_checks", "figure_terms", "EXERCISE", "check_exercise"]
+
+# the chapter's two questions: name -> (model, cluster, global batch)
+CASES: dict[str, tuple[pl.Transformer, pl.Cluster, int]] = {
+    "7.5B on 2 DGX A100": (pl.Transformer(36, 4096, 32, 2048, 51200),
+                           pl.Cluster.dgx_a100(nodes=2), 64),
+    "39.1B on 8 DGX A100": (pl.Transformer(48, 8192, 64, 2048, 51200),
+                            pl.Cluster.dgx_a100(nodes=8), 512),
+}
+
+
+def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """name -> (planner's bytes, bytes counted from real variables): chapter 04's estimate of a
+    Keras MLP trained with Adam, chapter 07's layers split over 3 devices (bytes on each),
+    chapter 09's tensor-parallel shards of a transformer block and chapter 12's ZeRO stages 1-3
+    on 4 devices (bytes on one device)."""
+    from accel.course import model_parallel as course07
+    from accel.parallel import model as mp
+    from accel.parallel import tensor
+    from accel.parallel.layers import mlp_layers
+    from accel.parallel.zero import ZeroStep
+    from accel.training import squared_error
+
+    out = {}
+    keras = models.keras_mlp([32, 64, 64, 10])
+    est = estimate_training_memory(keras, "adam")
+    out["ch04 MLP, Adam: weights + grads + slots"] = (
+        int(sum(pl.state_bytes(keras.count_params(), "fp32"))),
+        est.weights + est.gradients + est.optimizer_slots)
+    sizes = [8, 16, 16, 16, 4]
+    split = mp.split(mlp_layers(sizes), device_names[:3], [8])
+    mem = course07.memory_per_device(mp.SplitModel(split))
+    params = [a * b + b for a, b in zip(sizes, sizes[1:], strict=False)]
+    for dev, parts in zip(split.devices, pl.stage_state_bytes(params, split.balance, "fp32"),
+                          strict=True):
+        e = mem[dev]["split"]
+        out[f"ch07 split, {dev[-5:]}"] = (int(sum(parts)),
+                                         e.weights + e.gradients + e.optimizer_slots)
+    for t in (2, 4):
+        shard = tensor.shard(tensor.init_block(hidden=16, heads=4), t)[0]
+        out[f"ch09 block over {t}, one device's weights"] = (
+            int(pl.state_bytes(pl.layer_parameters(16, t), "fp32")[0]),
+            4 * sum(int(np.size(v)) for v in shard.values()))
+    arrays = models.mlp_init([8, 16, 4])  # 144 + 68 parameters: 4 equal slices, no padding
+    for stage in (1, 2, 3):
+        held = ZeroStep(arrays, device_names[:4], stage, squared_error).held_bytes()
+        out[f"ch12 ZeRO {stage} over 4, one device"] = (
+            int(sum(pl.state_bytes(144 + 68, "fp32", stage, 4))), held[device_names[0]]["total"])
+    return out
+
+
+def figure_terms(case: str = "39.1B on 8 DGX A100", top: int = 5):
+    """Stacked bars: each term of the modelled step of the ``top`` fastest (d, t, p) layouts of
+    ``case``, each with its first-ranked ZeRO stage and recomputation choice: compute,
+    tensor-parallel all-reduces, bubble, data-parallel all-reduce."""
+    import matplotlib.pyplot as plt
+
+    model, cluster, batch = CASES[case]
+    rows = plans.rank_plans(model, cluster, batch)
+    seen, picked = set(), []
+    for r in rows:
+        key = (r.plan.data, r.plan.tensor, r.plan.pipeline)
+        if key not in seen:
+            seen.add(key)
+            picked.append(r)
+    picked = picked[:top]
+    labels = [f"d{r.plan.data} t{r.plan.tensor} p{r.plan.pipeline}" for r in picked]
+    terms = {"compute": [r.time.compute_s for r in picked],
+             "tensor all-reduces": [r.time.tensor_s for r in picked],
+             "bubble": [r.time.bubble_s for r in picked],
+             "data all-reduce": [r.time.data_s for r in picked]}
+    fig, ax = plt.subplots(figsize=(8.5, 3.2))
+    bottom = np.zeros(len(picked))
+    for name, values in terms.items():
+        ax.bar(labels, values, bottom=bottom, label=name)
+        bottom += np.array(values)
+    ax.set_ylabel("seconds per step (MODEL)")
+    ax.set_title(f"{case}: where a step's time goes, fastest layouts first")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+# the exercise: a 13B-class model on 4 DGX A100 nodes, batch 256, the paper's settings
+EXERCISE = (pl.Transformer(40, 5120, 40, 2048, 51200), pl.Cluster.dgx_a100(nodes=4), 256)
+
+
+def check_exercise(answer) -> str:
+    """``answer``: the (tensor, pipeline) pair the planner ranks first for ``EXERCISE`` with
+    recomputation on and no ZeRO."""
+    if answer is None:
+        return "exercise: not answered yet"
+    model, cluster, batch = EXERCISE
+    first = plans.rank_plans(model, cluster, batch, zero_stages=(0,), recompute=(True,))[0]
+    ok = tuple(answer) == (first.plan.tensor, first.plan.pipeline) if \
+        isinstance(answer, tuple | list) else False
+    return "exercise: " + ("correct" if ok else "not quite, try again")

@@ -1,0 +1,65 @@
+"""ZeRO's formulas against the paper's table and sums worked out by hand."""
+
+import pytest
+
+from accel.costmodel import zero as cm
+
+
+def test_mixed_precision_matches_the_paper():
+    # the paper's example (figure 1): 7.5B parameters, N = 64 -> 120 GB, 31.4 GB, 16.6 GB, 1.88 GB
+    psi, n = 7_500_000_000, 64
+    got = [cm.zero_total_bytes(psi, n, s) / 1e9 for s in (0, 1, 2, 3)]
+    assert got == pytest.approx([120.0, 31.4, 16.6, 1.875], abs=0.06)
+    assert [cm.zero_formula(s) for s in (0, 1, 2, 3)] == [
+        "16Ψ", "4Ψ + 12Ψ/N", "2Ψ + 14Ψ/N", "16Ψ/N"]
+
+
+def test_fp32_by_hand():
+    # Ψ = 1000, N = 4: weights 4000, grads 4000, Adam m + v 8000 bytes unsharded
+    assert cm.zero_bytes_per_device(1000, 4, 0, "fp32") == {
+        "weights": 4000, "grads": 4000, "optimizer": 8000, "total": 16000}
+    assert cm.zero_bytes_per_device(1000, 4, 1, "fp32")["total"] == 8000 + 2000
+    assert cm.zero_bytes_per_device(1000, 4, 2, "fp32")["total"] == 4000 + 3000
+    assert cm.zero_bytes_per_device(1000, 4, 3, "fp32")["total"] == 4000
+    assert [cm.zero_formula(s, "fp32") for s in (0, 1, 2, 3)] == [
+        "16Ψ", "8Ψ + 8Ψ/N", "4Ψ + 12Ψ/N", "16Ψ/N"]
+
+
+def test_padding_rounds_each_shard_up():
+    assert cm.shard_elements(10, 4) == 3
+    assert cm.zero_bytes_per_device(10, 4, 3, "fp32", pad=True)["weights"] == 12
+    assert cm.zero_bytes_per_device(10, 4, 3, "fp32")["weights"] == 10
+
+
+def test_communication_by_hand():
+    # fp32, Ψ = 1000, N = 4: gradient bytes 4000; 2 * 3/4 * 4000 = 6000; stage 3: 9000
+    assert [cm.zero_comm_bytes(1000, 4, s, "fp32") for s in (0, 1, 2, 3)] == [
+        6000, 6000, 6000, 9000]
+    assert cm.zero_comm_bytes(1000, 1, 3, "fp32") == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"stage": 4}, "stage must be one of"),
+    ({"stage": True}, "stage must be one of"),
+    ({"n": 0}, "n must be an int >= 1"),
+    ({"params": -5}, "params must be an int >= 1"),
+    ({"precision": "fp8"}, "precision must be one of"),
+])
+def test_bad_input(kwargs, match):
+    args = {"params": 100, "n": 4, "stage": 1, "precision": "fp32"} | kwargs
+    with pytest.raises(ValueError, match=match):
+        cm.zero_bytes_per_device(**args)
+
+
+def test_offload_verdict_by_hand():
+    # A100 bf16 peak 312e12 at 50% = 156e12 FLOP/s; PCIe 4.0 x16 31.5e9 B/s:
+    # break-even tokens = 2 * 156e12 / (6 * 31.5e9) = 1650.8
+    t = cm.offload_break_even_tokens("NVIDIA A100", "PCIe 4.0 x16", "bf16")
+    assert t == pytest.approx(2 * 156e12 / (6 * 31.5e9))
+    small = cm.offload_step(10**9, 512, "NVIDIA A100", "PCIe 4.0 x16", "bf16")
+    big = cm.offload_step(10**9, 8192, "NVIDIA A100", "PCIe 4.0 x16", "bf16")
+    assert small["transfer_s"] == pytest.approx(2e9 / 31.5e9)
+    assert big["compute_s"] == pytest.approx(6e9 * 8192 / 156e12)
+    assert (small["bottleneck"], big["bottleneck"]) == ("transfer", "compute")
+    with pytest.raises(ValueError, match="utilization must be in"):
+        cm.offload_step(10, 10, "NVIDIA A100", "PCIe 4.0 x16", utilization=0)

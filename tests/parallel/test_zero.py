@@ -1,0 +1,101 @@
+"""ZeRO stages 0-3 by hand against Keras' Adam on one device (float64: the sums are reordered),
+the bytes each device holds against the paper's formulas, the bytes sent against the formulas."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accel import collectives
+from accel.costmodel import zero as cm
+from accel.models import mlp_apply, mlp_init
+from accel.parallel.zero import ZeroStep, flatten_layers
+from accel.training import squared_error
+
+# layer sizes whose flat vectors (w + b) divide by 2 and 4: 8*12+12 = 108, 12*4+4 = 52
+# Keras' Adam rounds its learning rate and betas to float32 even for float64 variables: values
+# exact in float32 make the float64 reference exact
+HYPER = {"learning_rate": 2**-7, "beta_1": 0.875, "beta_2": 1 - 2**-10}
+SIZES = [8, 12, 4]
+
+
+def _data(batch=16, seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(batch, SIZES[0])), rng.normal(size=(batch, SIZES[-1]))
+
+
+def _reference(params, x, y, steps):
+    """Keras' own Adam on one device, the whole batch, float64."""
+    vs = [tf.Variable(p.astype(np.float64)) for p in params]
+    opt = tf.keras.optimizers.Adam(**HYPER)
+    losses = []
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(squared_error(y, mlp_apply(vs, x)))
+        opt.apply_gradients(zip(tape.gradient(loss, vs), vs, strict=False))
+        losses.append(float(loss))
+    return [v.numpy() for v in vs], losses
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_weights_after_steps_equal_single_device_adam(four_devices, stage, n):
+    devs = four_devices[:n]
+    params = mlp_init(SIZES, seed=3)
+    x, y = _data()
+    ref, ref_losses = _reference(params, x, y, steps=4)
+    step = ZeroStep(params, devs, stage, squared_error, **HYPER, dtype=tf.float64)
+    xs = collectives.place(list(np.split(x, n)), devs)
+    ys = collectives.place(list(np.split(y, n)), devs)
+    losses = [float(sum(v.numpy() for v in step.step(xs, ys))) for _ in range(4)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
+    for device in range(n if stage < 3 else 1):  # every copy is the same
+        for got, want in zip(step.weights(device), ref, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_held_bytes_equal_the_formula(four_devices, stage):
+    params = mlp_init(SIZES)
+    step = ZeroStep(params, four_devices, stage, squared_error)
+    psi = 108 + 52
+    assert step.params == step.padded_params == psi
+    want = cm.zero_bytes_per_device(psi, 4, stage, "fp32")
+    for row in step.held_bytes().values():
+        assert row == want
+    # by hand, stage 2: 4 * 160 weights, 4 * 40 gradients, 8 * 40 Adam
+    if stage == 2:
+        assert want["total"] == 640 + 160 + 320
+
+
+def test_padding_is_counted(four_devices):
+    flat = flatten_layers(mlp_init([2, 2]), 4)  # 2 x 2 + 2 = 6 parameters, padded to 8
+    assert [len(f) for f in flat] == [8]
+    step = ZeroStep(mlp_init([2, 2]), four_devices, 3, squared_error)
+    assert step.padded_params == 8 and step.params == 6
+    assert step.held_bytes()[four_devices[0]] == cm.zero_bytes_per_device(
+        6, 4, 3, "fp32", pad=True)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bytes_sent_equal_the_formula(four_devices, stage):
+    n = 4
+    params = mlp_init(SIZES)
+    x, y = _data()
+    step = ZeroStep(params, four_devices, stage, squared_error)
+    xs = collectives.place([a.astype(np.float32) for a in np.split(x, n)], four_devices)
+    ys = collectives.place([a.astype(np.float32) for a in np.split(y, n)], four_devices)
+    sent = collectives.sent_bytes(step.step, xs, ys)
+    want = cm.zero_comm_bytes(160, n, stage, "fp32")
+    # by hand: 160 floats = 640 bytes; 2 * 3/4 * 640 = 960; stage 3: 1440
+    assert want == (1440 if stage == 3 else 960)
+    assert sent == {d: want for d in four_devices}
+
+
+def test_bad_input(four_devices):
+    params = mlp_init(SIZES)
+    with pytest.raises(ValueError, match="stage must be one of"):
+        ZeroStep(params, four_devices, 4, squared_error)
+    with pytest.raises(ValueError, match="learning_rate must be a number > 0"):
+        ZeroStep(params, four_devices, 1, squared_error, learning_rate=0)
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+        flatten_layers(params, 0)
