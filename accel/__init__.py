@@ -34,6 +34,7 @@ collectives  accel.collectives.base (09-12)   checks, one value per device, coll
                                                the graph that ran (sent_bytes)
 part III     accel.parallel.staleness (05)     the server's decision rules, records, staleness
              accel.parallel.parameter_server   parameter server + worker threads (05)
+             accel.parallel.hogwild (05)       lock-free workers; lost updates counted
              accel.parallel.data (06)          data parallelism by hand: the towers recipe
              accel.parallel.mirrored (06)      the same with MirroredStrategy
              accel.parallel.inputs (06)        TFRecord files through tf.data, split per tower

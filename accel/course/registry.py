@@ -33,7 +33,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "memory": ("accel.course.memory:bench_memory",
                "peak memory and step time: plain vs recompute vs mixed precision (chapter 04)"),
     "sync-async": ("accel.course.sync_async:bench_sync_async",
-                   "throughput of sync, async and K-of-N with a 4x straggler (chapter 05)"),
+                   "throughput of sync, async (locked, lock-free) and K-of-N with a 4x straggler "
+                   "(chapter 05)"),
     "model-parallel": ("accel.course.model_parallel:bench",
                        "split step vs one device, RNN wavefront vs layer after layer, idle "
                        "fractions (chapter 07)"),
@@ -53,7 +54,6 @@ FIGURES: dict[str, str] = {
     "02_placement.png": "accel.course.diagrams:figure_placement",
     "03_kernels.png": "accel.course.diagrams:figure_kernels",
     "04_memory.png": "accel.course.memory:figure_memory",
-    "05_staleness.png": "accel.course.sync_async:figure_staleness",
     "06_scaling.png": "accel.course.scaling:figure_scaling",
     "08_schedules.png": "accel.course.pipeline:figure_schedules",
     "09_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",

@@ -1,7 +1,8 @@
 """Part III of the course: training on several devices of one process.
 
-- ``accel.parallel.parameter_server`` (05): a parameter server and worker threads: sync, async,
-  K-of-N, controlled delay;
+- ``accel.parallel.parameter_server`` (05): a parameter server and worker threads: sync, async
+  (under the server's lock, Downpour-style), lock-free (Hogwild), K-of-N, controlled delay;
+- ``accel.parallel.hogwild`` (05): the lock-free workers, and lost updates counted;
 - ``accel.parallel.staleness`` (05): the server's decision rules as pure functions, per-update
   records and their analysis;
 - ``accel.parallel.data`` (06): data parallelism by hand, the towers recipe;

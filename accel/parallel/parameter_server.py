@@ -1,5 +1,5 @@
-"""A parameter server and its workers in one process: synchronous, asynchronous and K-of-N
-training, stragglers, and a deterministic controlled-staleness loop.
+"""A parameter server and its workers in one process: synchronous, asynchronous (with a lock, or
+lock-free) and K-of-N training, stragglers, and a deterministic controlled-staleness loop.
 
 The server holds the ``tf.Variable`` s on ``ps_device``. Each worker is a Python thread with its own
 ``tf.function`` on its device: it reads the parameters and their version, computes the gradient of
@@ -8,7 +8,9 @@ is the mode: ``sync`` waits for all N gradients of the current version, averages
 ``k_of_n`` averages the first K and drops the late ones (backup workers, as
 ``tf.compat.v1.train.SyncReplicasOptimizer`` with ``replicas_to_aggregate``); ``async`` applies
 each gradient on arrival, one at a time under the server's lock (asynchronous SGD as in Downpour
-SGD, not lock-free Hogwild); ``delayed`` has no threads: gradient ``g`` uses the parameters
+SGD, Dean et al. 2012); ``hogwild`` has no lock at all: every worker applies its own gradient to
+the shared variables while others read and write them (Niu et al. 2011, run by
+``accel.parallel.hogwild``); ``delayed`` has no threads: gradient ``g`` uses the parameters
 ``delay[g]`` versions old, so staleness can be studied deterministically. The decisions
 themselves are the pure functions of ``accel.parallel.staleness``.
 
@@ -29,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from accel import checks
+from accel.parallel.hogwild import pad_step, run_lock_free
 from accel.parallel.staleness import (
     MODES,
     SYNC_MODES,
@@ -41,10 +44,8 @@ from accel.parallel.staleness import (
 )
 from accel.training import make_update
 
-__all__ = ["MODES", "worker_batches", "train", "train_sync", "train_async", "train_k_of_n",
-           "train_delayed"]
-
-
+__all__ = ["MODES", "worker_batches", "train", "train_sync", "train_async", "train_hogwild",
+           "train_k_of_n", "train_delayed"]
 
 def worker_batches(x, y, num_workers: int, batch_size: int) -> list[list[tuple]]:
     """Worker ``w``'s mini-batches: its contiguous ``1/num_workers`` shard cut into batches.
@@ -87,6 +88,7 @@ class _Server:
         self.cond = threading.Condition()
         self.version, self.steps, self.stopped, self.error = 0, steps, False, None
         self.records, self.pending, self.curve, self.examples, self.last_read = [], [], [], 0, {}
+        self.curve_time = []
         self.t0 = clock()
         self.last_update = None
 
@@ -102,6 +104,7 @@ class _Server:
         self.last_update = now
         if self.eval_every and self.version % self.eval_every == 0:
             self.curve.append((self.examples, float(self.eval_fn(self.snapshot()))))
+            self.curve_time.append(now)
         if self.version >= self.steps:
             self.stopped = True
         self.cond.notify_all()
@@ -140,14 +143,6 @@ class _Server:
                         warmup_steps)
 
 
-def _pad(start: float, step_time: float, factor: float) -> None:
-    """Sleep so that this step lasts ``factor * max(compute time, step_time)``."""
-    base = max(time.perf_counter() - start, step_time)
-    remaining = start + factor * base - time.perf_counter()
-    if remaining > 0:
-        time.sleep(remaining)
-
-
 def _worker_loop(server: _Server, w: int, fn, batches, step_time, factor, warmup_steps) -> None:
     i = 0
     try:
@@ -161,7 +156,7 @@ def _worker_loop(server: _Server, w: int, fn, batches, step_time, factor, warmup
             xb, yb = batches[i % len(batches)]
             loss, grads = fn(params, xb, yb)
             loss = float(loss)  # waits for the step to finish (GPUs return early)
-            _pad(start, step_time, factor)
+            pad_step(start, step_time, factor)
             with server.cond:
                 server.receive(w, i, read_version, loss, grads, int(xb.shape[0]))
             i += 1
@@ -220,13 +215,15 @@ def train(mode: str, model_fn: Callable, loss_fn: Callable, params: Sequence[np.
     """Train ``model_fn(params, x)`` from the initial ``params`` in ``mode`` (see ``MODES``).
 
     ``workers``: one device per worker; ``steps``: updates to apply; ``optimizer``: a learning
-    rate (plain SGD) or an optimizer (``accel.training.make_update``). ``k``: gradients per
-    update in ``k_of_n``. ``delay``: staleness per gradient in ``delayed`` (an int or a list).
+    rate (plain SGD) or an optimizer (``accel.training.make_update``; not in ``hogwild``).
+    ``k``: gradients per update in ``k_of_n``. ``delay``: staleness per gradient in ``delayed``
+    (an int or a list).
     ``slowdown``: ``{worker: factor}`` makes those workers' steps ``factor`` times longer;
     ``step_time``: pad every step to at least this many seconds (a device's compute time, since
     virtual CPUs share cores). Mitigations: ``max_staleness`` drops staler gradients;
     ``warmup_steps``: the first updates come from worker 0 alone (async) / without delay.
-    ``eval_every``: sample the full-data loss every that many updates into ``result.curve``.
+    ``eval_every``: sample the full-data loss every that many updates into ``result.curve``
+    (and the seconds since the start into ``result.curve_time``).
     ``clock``: the time source of the records and of ``wall_time`` (start to last applied
     update). An argument the mode does not use is a ``ValueError`` naming the modes that use it.
     """
@@ -240,9 +237,17 @@ def train(mode: str, model_fn: Callable, loss_fn: Callable, params: Sequence[np.
     k = {"sync": len(workers), "k_of_n": k}.get(mode, 1)
     server = _Server(mode, params, ps_device, optimizer, k, max_staleness, eval_fn, eval_every,
                      steps, clock)
-    if eval_every:
+    if eval_every and mode != "hogwild":
         server.curve.append((0, float(eval_fn(server.snapshot()))))
+        server.curve_time.append(0.0)
         server.t0 = clock()
+    if mode == "hogwild":
+        run = run_lock_free(server.vars, server.update, fns, batches, steps=steps,
+                            step_time=step_time, slowdown=dict(slowdown or {}), eval_fn=eval_fn,
+                            eval_every=eval_every, clock=clock)
+        return TrainResult(mode, [v.numpy() for v in server.vars], run["records"],
+                           run["wall_time"], float(eval_fn(server.snapshot())), run["curve"],
+                           run["curve_time"], run["update_spans"], run["read_spans"])
     if mode == "delayed":
         _run_delayed(server, fns, batches, delays, warmup_steps)
     else:
@@ -251,7 +256,7 @@ def train(mode: str, model_fn: Callable, loss_fn: Callable, params: Sequence[np.
     wall = server.last_update if server.last_update is not None else clock() - server.t0
     final = float(eval_fn(server.snapshot()))
     return TrainResult(mode, [v.numpy() for v in server.vars], server.records, wall, final,
-                       server.curve)
+                       server.curve, server.curve_time)
 
 
 def train_sync(*args, **kwargs) -> TrainResult:
@@ -265,8 +270,15 @@ def train_k_of_n(*args, k: int, **kwargs) -> TrainResult:
 
 
 def train_async(*args, **kwargs) -> TrainResult:
-    """``train("async", ...)``: every gradient is applied as soon as it arrives (under a lock)."""
+    """``train("async", ...)``: every gradient is applied as soon as it arrives, one at a time
+    under the server's lock (Downpour-style asynchronous SGD)."""
     return train("async", *args, **kwargs)
+
+
+def train_hogwild(*args, **kwargs) -> TrainResult:
+    """``train("hogwild", ...)``: every worker applies its gradient itself, with no lock (plain
+    SGD: ``optimizer`` must be a learning rate)."""
+    return train("hogwild", *args, **kwargs)
 
 
 def train_delayed(*args, delay: int | Sequence[int], **kwargs) -> TrainResult:

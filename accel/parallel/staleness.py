@@ -10,8 +10,11 @@ The server's decisions are pure functions of plain integers, so they can be read
 against written-out tables; ``accel.parallel.parameter_server``'s threads only call them:
 
 * ``server_decision``: what happens to a gradient that arrives ("apply", "hold" or "drop");
+  in ``hogwild`` (lock-free) nobody decides: every worker applies its own gradient;
 * ``may_read``: whether a worker may read the parameters now;
-* ``delayed_read_version``: which version gradient ``g`` reads in the controlled-delay loop.
+* ``delayed_read_version``: which version gradient ``g`` reads in the controlled-delay loop;
+* ``count_overlaps``: how many of a run's time spans overlapped another (lock-free updates that
+  interleaved, reads that saw an update half done).
 """
 
 from __future__ import annotations
@@ -24,17 +27,18 @@ import numpy as np
 from accel import checks
 
 __all__ = ["MODES", "SYNC_MODES", "DECISIONS", "MODE_ONLY", "server_decision", "may_read",
-           "check_train_arguments",
+           "check_train_arguments", "count_overlaps",
            "delayed_read_version", "UpdateRecord", "TrainResult", "staleness_histogram",
            "delay_schedule", "summarize"]
 
-MODES = ("sync", "k_of_n", "async", "delayed")
+MODES = ("sync", "k_of_n", "async", "hogwild", "delayed")
 SYNC_MODES = ("sync", "k_of_n")  # updates average k gradients of the current version
 DECISIONS = ("apply", "hold", "drop")
 # keyword -> the modes that use it; any other mode refuses it
 MODE_ONLY = {"k": ("k_of_n",), "delay": ("delayed",), "max_staleness": ("async", "delayed"),
-              "warmup_steps": ("async", "delayed"), "slowdown": ("sync", "k_of_n", "async"),
-              "step_time": ("sync", "k_of_n", "async")}
+              "warmup_steps": ("async", "delayed"),
+              "slowdown": ("sync", "k_of_n", "async", "hogwild"),
+              "step_time": ("sync", "k_of_n", "async", "hogwild")}
 
 
 def server_decision(mode: str, version: int, read_version: int, pending: int, k: int = 1,
@@ -47,6 +51,7 @@ def server_decision(mode: str, version: int, read_version: int, pending: int, k:
       ``sync`` is ``k_of_n`` with ``k`` = the number of workers.
     * ``async`` / ``delayed``: every gradient is applied on arrival, unless ``max_staleness`` is
       set and the gradient is staler than that ("drop").
+    * ``hogwild``: "apply", always (no server decides; each worker applies its own gradient).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -67,8 +72,8 @@ def may_read(mode: str, version: int, last_read: int, worker: int, warmup_steps:
     """Whether ``worker`` may read the parameters (at ``version``) for its next gradient.
 
     ``sync`` / ``k_of_n``: once per version: only if its last gradient was computed at an older
-    version (``last_read`` < ``version``; -1 before its first). ``async``: always, except during
-    a warm-up of ``warmup_steps`` updates, when only worker 0 works.
+    version (``last_read`` < ``version``; -1 before its first). ``async`` / ``hogwild``: always,
+    except during a warm-up of ``warmup_steps`` updates, when only worker 0 works.
     """
     if mode in SYNC_MODES:
         return last_read < version
@@ -112,9 +117,11 @@ class UpdateRecord:
 class TrainResult:
     """A finished run: final parameters (NumPy), the records in arrival order, and timings.
 
-    ``curve`` lists ``(examples applied, full-data loss)`` pairs sampled during the run.
-    ``wall_time`` runs from the start to the last *applied* update: a straggler's unfinished or
-    dropped work after it does not count.
+    ``curve`` lists ``(examples applied, full-data loss)`` pairs sampled during the run, and
+    ``curve_time`` the seconds since the start at which each was sampled. ``wall_time`` runs
+    from the start to the last *applied* update: a straggler's unfinished or dropped work after
+    it does not count. ``hogwild`` runs also keep the ``(start, end)`` seconds of every update
+    (``update_spans``) and of every read of the parameters (``read_spans``).
     """
 
     mode: str
@@ -123,6 +130,9 @@ class TrainResult:
     wall_time: float
     final_loss: float
     curve: list[tuple[int, float]] = field(default_factory=list)
+    curve_time: list[float] = field(default_factory=list)
+    update_spans: list[tuple[float, float]] = field(default_factory=list)
+    read_spans: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def applied(self) -> list[UpdateRecord]:
@@ -157,6 +167,21 @@ class TrainResult:
             if r.dropped:
                 counts[r.worker] += 1
         return counts
+
+
+def count_overlaps(spans: Sequence[tuple[float, float]],
+                   others: Sequence[tuple[float, float]] | None = None) -> int:
+    """How many ``(start, end)`` spans overlap (share more than an end point with) another span
+    of ``spans``, or, if ``others`` is given, a span of ``others``."""
+    bad = [s for s in [*spans, *(others or [])] if len(s) != 2 or s[1] < s[0]]
+    if bad:
+        raise ValueError(f"a span is (start, end) with start <= end, got {bad[0]!r}")
+    pool = spans if others is None else others
+
+    def hits(i, a):
+        return any(a[0] < b[1] and b[0] < a[1] for j, b in enumerate(pool)
+                   if others is not None or j != i)
+    return sum(hits(i, a) for i, a in enumerate(spans))
 
 
 def staleness_histogram(records: Sequence[UpdateRecord],
@@ -231,5 +256,7 @@ def check_train_arguments(mode: str, num_workers: int, steps: int, k=None, delay
     checks.non_negative_int("eval_every", eval_every)
     if max_staleness is not None:
         checks.non_negative_int("max_staleness", max_staleness)
-    checks.learning_rate(optimizer)
+    if checks.learning_rate(optimizer) is None and mode == "hogwild":
+        raise ValueError(f"hogwild applies plain SGD from several threads at once: optimizer "
+                         f"must be a learning rate, got {type(optimizer).__name__}")
     return [int(d) for d in delays]

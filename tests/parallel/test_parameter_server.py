@@ -11,7 +11,6 @@ import tensorflow as tf
 from accel import models
 from accel.course.sync_async import toy_problem
 from accel.parallel import parameter_server as ps
-from accel.parallel import staleness
 from accel.training import squared_error
 
 LR = 0.05
@@ -217,84 +216,8 @@ def test_wall_time_stops_at_the_last_applied_update(problem, four_devices):
     assert result.wall_time < next(ticks)  # reading the clock after the run says later
 
 
-# ----------------------------------------------------------------------------- pure rules
-@pytest.mark.parametrize("mode, version, read, pending, k, max_staleness, expected", [
-    # sync / K-of-N: fresh gradients are held until the k-th, late ones are dropped
-    ("sync", 0, 0, 0, 3, None, "hold"),
-    ("sync", 0, 0, 1, 3, None, "hold"),
-    ("sync", 0, 0, 2, 3, None, "apply"),
-    ("sync", 1, 0, 0, 3, None, "drop"),
-    ("k_of_n", 4, 4, 1, 2, None, "apply"),
-    ("k_of_n", 5, 4, 0, 2, None, "drop"),
-    ("k_of_n", 5, 5, 0, 1, None, "apply"),
-    # async / delayed: applied on arrival unless staler than max_staleness
-    ("async", 7, 3, 0, 1, None, "apply"),
-    ("async", 7, 3, 0, 1, 4, "apply"),
-    ("async", 7, 3, 0, 1, 3, "drop"),
-    ("delayed", 2, 2, 0, 1, 0, "apply"),
-    ("delayed", 3, 2, 0, 1, 0, "drop"),
-])
-def test_server_decision_table(mode, version, read, pending, k, max_staleness, expected):
-    assert staleness.server_decision(mode, version, read, pending, k, max_staleness) == expected
-
-
-@pytest.mark.parametrize("mode, version, last_read, worker, warmup, expected", [
-    ("sync", 0, -1, 2, 0, True),   # first read
-    ("sync", 3, 3, 2, 0, False),   # already contributed to version 3
-    ("sync", 4, 3, 2, 0, True),
-    ("k_of_n", 4, 4, 0, 0, False),
-    ("async", 0, -1, 1, 5, False),  # warm-up: only worker 0
-    ("async", 0, -1, 0, 5, True),
-    ("async", 5, 2, 1, 5, True),   # after the warm-up, everyone, any time
-    ("async", 2, 2, 1, 0, True),
-])
-def test_may_read_table(mode, version, last_read, worker, warmup, expected):
-    assert staleness.may_read(mode, version, last_read, worker, warmup) is expected
-
-
-@pytest.mark.parametrize("version, delay, index, warmup, expected", [
-    (0, 4, 0, 0, 0), (3, 4, 3, 0, 0), (10, 4, 10, 0, 6), (10, 4, 2, 5, 10), (10, 0, 10, 0, 10),
-])
-def test_delayed_read_version_table(version, delay, index, warmup, expected):
-    assert staleness.delayed_read_version(version, delay, index, warmup) == expected
-
-
-def test_rules_refuse_impossible_states():
-    with pytest.raises(ValueError, match="need read_version <= version"):
-        staleness.server_decision("async", 1, 2, 0)
-    with pytest.raises(ValueError, match="mode must be one of"):
-        staleness.server_decision("hogwild", 1, 1, 0)
-
-
 def test_keras_optimizer_matches_learning_rate(problem, four_devices):
     common = dict(problem, workers=four_devices[1:], ps_device=four_devices[0], steps=3,
                   batch_size=BATCH)
     with_keras = ps.train_sync(**common, optimizer=tf.keras.optimizers.SGD(LR))
     assert_params_close(with_keras.params, ps.train_sync(**common, optimizer=LR).params)
-
-
-def test_records_analysis():
-    recs = [staleness.UpdateRecord(0, 0, 0, 1.0, 0.1, 8),
-            staleness.UpdateRecord(1, 0, 1, 1.0, 0.2, 8),
-            staleness.UpdateRecord(2, 0, 3, 1.0, 0.3, 8),
-            staleness.UpdateRecord(2, 1, 5, 1.0, 0.4, 8, dropped=True)]
-    assert staleness.staleness_histogram(recs).tolist() == [1, 1, 0, 1]
-    result = staleness.TrainResult("async", [], recs, wall_time=0.5, final_loss=0.1)
-    facts = staleness.summarize(result)
-    assert (facts["applied"], facts["dropped"], facts["max_staleness"]) == (3, 1, 3)
-    assert result.examples == 24 and result.examples_per_s == 48.0
-    assert result.dropped_by_worker(3) == [0, 0, 1]
-    sched = staleness.delay_schedule(50, 3.0, seed=1)
-    assert sched == staleness.delay_schedule(50, 3.0, seed=1) and min(sched) >= 0
-    with pytest.raises(ValueError, match="mean_delay >= 0, got steps=5, mean_delay=-1.0"):
-        staleness.delay_schedule(5, -1.0)
-
-
-def test_figure_staleness_builds(four_devices):
-    import matplotlib.pyplot as plt
-
-    from accel.course.sync_async import figure_staleness
-
-    fig = figure_staleness()
-    assert len(fig.axes) == 2
-    plt.close(fig)

@@ -1,0 +1,180 @@
+"""Lock-free asynchronous SGD (Hogwild, Niu et al. 2011) on shared ``tf.Variable`` s, and what the
+missing lock lets happen.
+
+``accel.parallel.parameter_server``'s ``async`` mode reads and updates the parameters under the
+server's lock, one gradient at a time (asynchronous SGD as in Downpour SGD, Dean et al. 2012).
+Here nobody holds a lock around the parameters: each worker thread reads the variables, computes
+its gradient and applies it itself with ``ResourceApplyGradientDescent`` (``use_locking=False``,
+TensorFlow's default), while other workers read and write the same variables. A read may then see
+some variables before and others after another worker's update, and two updates may interleave.
+A small bookkeeping lock guards only Python counters and records, never a TensorFlow op.
+
+``race_increments`` counts lost updates directly: threads adding 1 to one shared vector, with a
+read-then-assign (two ops) or with one update op, locked or not; every missing unit of the total
+is an addition that was lost.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from accel import checks
+from accel.parallel.staleness import UpdateRecord
+
+__all__ = ["pad_step", "run_lock_free", "RACE_METHODS", "race_increments"]
+
+
+def pad_step(start: float, step_time: float, factor: float) -> None:
+    """Sleep so that the step begun at ``start`` (``time.perf_counter()``) lasts
+    ``factor * max(compute time, step_time)``: a device's compute time on shared CPU cores."""
+    base = max(time.perf_counter() - start, step_time)
+    remaining = start + factor * base - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+class _Shared:
+    """What the workers share besides the variables: counters, records, the stop event."""
+
+    def __init__(self, steps, clock, eval_fn, eval_every):
+        self.book = threading.Lock()  # bookkeeping only: never held while TensorFlow runs
+        self.stop = threading.Event()
+        self.steps, self.clock, self.eval_fn, self.eval_every = steps, clock, eval_fn, eval_every
+        self.tickets = self.finished = self.examples = 0
+        self.records, self.update_spans, self.read_spans = [], [], []
+        self.curve, self.curve_time, self.error, self.last_update = [], [], None, None
+        self.t0 = clock()
+
+    def now(self) -> float:
+        return self.clock() - self.t0
+
+
+def _worker(shared: _Shared, w, variables, update, fn, batches, step_time, factor) -> None:
+    i = 0
+    try:
+        while not shared.stop.is_set():
+            r0, read_version = shared.now(), shared.finished
+            params = [tf.identity(v) for v in variables]  # no lock: versions may mix
+            r1, start = shared.now(), time.perf_counter()
+            xb, yb = batches[i % len(batches)]
+            loss, grads = fn(params, xb, yb)
+            loss = float(loss)
+            pad_step(start, step_time, factor)
+            with shared.book:
+                ticket, applied_version = shared.tickets, shared.finished
+                shared.tickets += 1
+            if ticket >= shared.steps:
+                shared.stop.set()
+                return
+            a0 = shared.now()
+            update(list(zip(grads, variables, strict=True)))  # concurrently with other workers
+            a1 = shared.now()
+            with shared.book:
+                shared.finished += 1
+                version, shared.examples = shared.finished, shared.examples + int(xb.shape[0])
+                shared.records.append(UpdateRecord(w, read_version, applied_version, loss, a1,
+                                                   int(xb.shape[0]), step=i))
+                shared.update_spans.append((a0, a1))
+                shared.read_spans.append((r0, r1))
+                examples = shared.examples
+                if version == shared.steps:
+                    shared.last_update = a1
+            if shared.eval_every and version % shared.eval_every == 0:
+                value = float(shared.eval_fn([tf.identity(v) for v in variables]))
+                with shared.book:
+                    shared.curve.append((examples, value))
+                    shared.curve_time.append(a1)
+            i += 1
+    except BaseException as exc:  # handed to the caller, which re-raises it
+        with shared.book:
+            shared.error = shared.error or (w, exc)
+        shared.stop.set()
+
+
+def run_lock_free(variables: Sequence[tf.Variable], update: Callable, grad_fns: Sequence,
+                  batches: Sequence, *, steps: int, step_time: float = 0.0,
+                  slowdown: dict | None = None, eval_fn: Callable | None = None,
+                  eval_every: int = 0, clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Run one thread per ``grad_fns[w]`` (``fn(params, x, y) -> (loss, grads)``) on its
+    ``batches[w]``, each applying ``update([(grad, var), ...])`` itself, without a lock, until
+    ``steps`` updates are applied. Returns ``records``, ``update_spans``, ``read_spans``,
+    ``curve``, ``curve_time`` and ``wall_time`` (seconds to the last update). A stop (an
+    exception in a worker, or KeyboardInterrupt in the caller) ends and joins every thread."""
+    checks.positive_int("steps", steps)
+    shared = _Shared(steps, clock, eval_fn, eval_every)
+    if eval_every:
+        shared.curve.append((0, float(eval_fn([tf.identity(v) for v in variables]))))
+        shared.curve_time.append(0.0)
+        shared.t0 = clock()
+    threads = [threading.Thread(target=_worker, name=f"ps-worker-{w}", daemon=True,
+                                args=(shared, w, variables, update, grad_fns[w], batches[w],
+                                      step_time, (slowdown or {}).get(w, 1.0)))
+               for w in range(len(grad_fns))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        shared.stop.set()
+        for t in (t for t in threads if t.is_alive()):
+            t.join()
+    if shared.error is not None:
+        w, exc = shared.error
+        exc.add_note(f"raised by lock-free worker {w}")
+        raise exc
+    order = np.argsort([s[1] for s in shared.update_spans], kind="stable")
+    return {"records": [shared.records[j] for j in order],
+            "update_spans": [shared.update_spans[j] for j in order],
+            "read_spans": [shared.read_spans[j] for j in order],
+            "curve": shared.curve, "curve_time": shared.curve_time,
+            "wall_time": shared.last_update if shared.last_update is not None else shared.now()}
+
+
+RACE_METHODS = ("read_then_assign", "apply", "apply_locked")
+
+
+def race_increments(device: str, method: str = "apply", threads: int = 3, repeats: int = 100,
+                    size: int = 1 << 16) -> dict[str, float]:
+    """``threads`` threads each add 1 to every element of one shared float32 vector of ``size``
+    elements on ``device``, ``repeats`` times, without any Python lock. ``method``:
+    ``read_then_assign`` reads the vector, adds 1 and assigns the result (two ops: another
+    thread's addition between them is overwritten); ``apply`` uses one
+    ``ResourceApplyGradientDescent`` with ``use_locking=False`` (TensorFlow's default: the
+    variable's lock is shared, concurrent updates may interleave; TensorFlow calls the result
+    undefined); ``apply_locked`` the same op with ``use_locking=True`` (exclusive lock). Returns
+    ``expected`` (each element's value if no addition was lost), ``lowest`` (the smallest
+    element) and ``lost`` (missing additions, averaged over the elements)."""
+    checks.one_of("method", method, RACE_METHODS)
+    checks.positive_int("threads", threads)
+    checks.positive_int("repeats", repeats)
+    checks.positive_int("size", size)
+    with tf.device(device):
+        var = tf.Variable(tf.zeros(size))
+        minus_one, one = tf.fill([size], -1.0), tf.constant(1.0)
+
+    def work():
+        for _ in range(repeats):
+            if method == "read_then_assign":
+                var.assign(var.read_value() + one)
+            else:
+                tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=one,
+                                                        delta=minus_one,
+                                                        use_locking=method == "apply_locked")
+
+    pool = [threading.Thread(target=work, name=f"race-{j}", daemon=True) for j in range(threads)]
+    try:
+        for t in pool:
+            t.start()
+    finally:
+        for t in pool:
+            t.join()
+    values = var.numpy().astype(np.float64)
+    expected = threads * repeats
+    return {"expected": expected, "lowest": float(values.min()),
+            "lost": float(expected - values.mean())}

@@ -1,0 +1,115 @@
+"""accel.parallel.hogwild (the parameter server's lock-free mode): one worker against a
+hand-written loop of plain SGD, several workers against hand counts, lost updates against the
+count every thread made, and a reader's interrupt against the set of threads it started from."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accel import models
+from accel.course.sync_async import toy_problem
+from accel.parallel import hogwild, staleness
+from accel.parallel import parameter_server as ps
+from accel.training import squared_error
+
+LR = 0.05
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return toy_problem(n=96, features=4, hidden=8)
+
+
+def loss_and_gradient(params, x, y):
+    params = [tf.Variable(p) for p in params]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(squared_error(y, models.mlp_apply(params, x)))
+    return float(loss), [g.numpy() for g in tape.gradient(loss, params)]
+
+
+def test_one_lock_free_worker_is_plain_sgd(problem, four_devices):
+    """Forward (each record's loss), gradients (one step) and weights (after 7 steps) against
+    a hand-written SGD loop on one device."""
+    shard = ps.worker_batches(problem["x"], problem["y"], 1, BATCH)[0]
+    params, losses, after_one = [np.array(p) for p in problem["params"]], [], None
+    for t in range(7):
+        loss, grads = loss_and_gradient(params, *shard[t % len(shard)])
+        losses.append(loss)
+        params = [p - LR * g for p, g in zip(params, grads, strict=True)]
+        after_one = after_one or [p.copy() for p in params]
+    common = dict(problem, workers=four_devices[1:2], ps_device=four_devices[0],
+                  batch_size=BATCH, optimizer=LR)
+    one = ps.train_hogwild(**common, steps=1)
+    run = ps.train_hogwild(**common, steps=7)
+    for got, want in ((one.params, after_one), (run.params, params)):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+    np.testing.assert_allclose([r.loss for r in run.records], losses, rtol=1e-5)
+    assert run.staleness.tolist() == [0] * 7
+    assert staleness.count_overlaps(run.update_spans) == 0  # one worker cannot overlap itself
+
+
+def test_several_lock_free_workers_apply_exactly_steps_updates(problem, four_devices):
+    run = ps.train_hogwild(**problem, workers=four_devices[1:], ps_device=four_devices[0],
+                           steps=30, batch_size=BATCH, optimizer=LR, step_time=0.003,
+                           eval_every=10)
+    assert len(run.records) == len(run.update_spans) == len(run.read_spans) == 30
+    assert run.examples == 30 * BATCH
+    assert {r.worker for r in run.records} == {0, 1, 2}
+    assert run.staleness.min() >= 0 and run.staleness.max() >= 1
+    assert [ex for ex, _ in run.curve] == [0, 80, 160, 240]
+    assert len(run.curve_time) == 4 and run.curve_time == sorted(run.curve_time)
+    assert run.curve[-1][1] < run.curve[0][1]
+    assert not [t for t in threading.enumerate() if t.name.startswith("ps-worker-")]
+
+
+def test_lock_free_refuses_a_keras_optimizer(problem, four_devices):
+    with pytest.raises(ValueError, match="optimizer must be a learning rate, got SGD"):
+        ps.train_hogwild(**problem, workers=four_devices[1:], ps_device=four_devices[0],
+                         steps=3, batch_size=BATCH, optimizer=tf.keras.optimizers.SGD(LR))
+
+
+def test_locked_increments_lose_nothing(four_devices):
+    """With use_locking=True every one of threads x repeats additions survives (hand count)."""
+    race = hogwild.race_increments(four_devices[0], "apply_locked", threads=3, repeats=20,
+                                   size=1 << 12)
+    assert race == {"expected": 60, "lowest": 60.0, "lost": 0.0}
+
+
+@pytest.mark.parametrize("method", ["apply", "read_then_assign"])
+def test_unlocked_increments_lose_at_most_what_was_sent(four_devices, method):
+    race = hogwild.race_increments(four_devices[0], method, threads=3, repeats=20, size=1 << 12)
+    assert race["expected"] == 60 and 0 <= race["lost"] < 60
+    assert 1 <= race["lowest"] <= 60
+
+
+def test_one_thread_never_loses_an_increment(four_devices):
+    race = hogwild.race_increments(four_devices[0], "read_then_assign", threads=1, repeats=7,
+                                   size=16)
+    assert race == {"expected": 7, "lowest": 7.0, "lost": 0.0}
+
+
+@pytest.mark.parametrize("mode", ["async", "hogwild", "sync"])
+def test_an_interrupt_returns_at_once_and_leaves_no_thread(problem, four_devices, mode):
+    """What a reader's interrupt of a training cell does: SIGINT reaches the main thread while
+    it waits for the workers. The KeyboardInterrupt must come out, and every thread the run
+    started must be gone within a few seconds."""
+    before = set(threading.enumerate())
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        ps.train(mode, **problem, workers=four_devices[1:], ps_device=four_devices[0],
+                 steps=10**6, batch_size=BATCH, optimizer=0.001, step_time=0.01)
+    assert time.monotonic() - start < 10
+    timer.join()
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(threading.enumerate()) == before
