@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from accel import models
-from accel.course import strategies as course
 from accel.distributed import strategies as S
 
 LR = 0.05
@@ -95,13 +94,3 @@ def test_bad_arguments_name_the_value():
         S.shard_rows_by_hand("DATA", 1, 1, 1, batch=0)
     with pytest.raises(ValueError, match="workers"):
         S.run_workers([], [], LR, workers=0)
-
-
-def test_strategy_table_covers_every_strategy_and_column():
-    assert list(course.STRATEGIES) == [
-        "default", "OneDeviceStrategy", "MirroredStrategy", "CentralStorageStrategy",
-        "MultiWorkerMirroredStrategy", "ParameterServerStrategy"]
-    lines = course.table_lines()
-    assert lines[0].split() == ["strategy", "variables", "gradients", "updates"]
-    assert len(lines) == 7
-    assert course.compact(["f0:0", "f0:1", "f0:2", "f2:0", "f3:1", "f3:3"]) == "f0:0-2 f2:0 f3:1,3"
