@@ -13,44 +13,45 @@ __all__ = ["STRATEGIES", "table_lines", "input_table", "compact", "check_resume"
 STRATEGIES: dict[str, dict[str, str]] = {
     "default": {
         "variables": "one copy, where you put it",
-        "gradients": "none exchanged (one replica)",
-        "updates": "applied by the one replica",
-        "use": "code written for strategies, run on one device"},
+        "gradients": "none to exchange (one replica)",
+        "updates": "by the one replica",
+        "use": "strategy-aware code on one device"},
     "OneDeviceStrategy": {
         "variables": "one copy on the named device",
-        "gradients": "none exchanged (one replica)",
+        "gradients": "none to exchange (one replica)",
         "updates": "on that device",
-        "use": "test a strategy-aware loop on one device"},
+        "use": "testing strategy code on one chosen device"},
     "MirroredStrategy": {
         "variables": "a copy on every local device",
-        "gradients": "all-reduced (sum) across devices",
-        "updates": "each copy applies the same update",
+        "gradients": "all-reduced across the devices",
+        "updates": "the same update on every copy",
         "use": "several GPUs in one machine"},
     "CentralStorageStrategy": {
-        "variables": "one copy on the CPU (or the one GPU)",
+        "variables": "one copy, on the CPU (or the only GPU)",
         "gradients": "sent to the CPU and summed there",
         "updates": "once, on the central copy",
-        "use": "one machine, variables too big to mirror"},
+        "use": "one machine, variables too big to copy"},
     "MultiWorkerMirroredStrategy": {
         "variables": "a copy on every device of every worker",
-        "gradients": "all-reduced across workers (RING or NCCL)",
-        "updates": "each copy, synchronously",
-        "use": "many machines, model fits one device"},
+        "gradients": "all-reduced across workers (RING, NCCL)",
+        "updates": "the same update on every copy, in step",
+        "use": "many machines; the model fits one device"},
     "ParameterServerStrategy": {
-        "variables": "on the ps tasks (sharded if asked)",
-        "gradients": "each worker sends its own to the ps",
-        "updates": "on the ps, asynchronously, one per step",
-        "use": "many workers, big or sparse variables, preemptible machines"},
+        "variables": "on the ps tasks (split if asked)",
+        "gradients": "each worker's own, sent to the ps",
+        "updates": "on the ps, one per step, asynchronous",
+        "use": "workers that come and go; huge or sparse variables"},
 }
 
 
 def table_lines(rows: dict[str, dict[str, str]] | None = None,
-                columns: tuple[str, ...] = ("variables", "gradients", "updates")) -> list[str]:
+                columns: tuple[str, ...] = ("variables", "gradients")) -> list[str]:
     """The table as aligned text lines, one per strategy (``columns`` picks the fields)."""
     rows = STRATEGIES if rows is None else rows
     widths = [max(len(n) for n in rows)] + [
         max(len(c), *(len(r[c]) for r in rows.values())) for c in columns]
-    lines = ["  ".join(t.ljust(w) for t, w in zip(("strategy", *columns), widths, strict=True))]
+    lines = ["  ".join(t.ljust(w) for t, w in zip(("strategy", *columns), widths, strict=True))
+             .rstrip()]
     for name, row in rows.items():
         cells = (name, *(row[c] for c in columns))
         lines.append("  ".join(t.ljust(w) for t, w in zip(cells, widths, strict=True)).rstrip())
