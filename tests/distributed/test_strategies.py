@@ -12,6 +12,13 @@ from accel.distributed import strategies as S
 LR = 0.05
 
 
+def live_children() -> set[int]:
+    """Live (not zombie) descendants of this test process."""
+    psutil = pytest.importorskip("psutil")
+    return {p.pid for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(problem, tmp_path_factory):
     init, batches, _ = problem
@@ -58,8 +65,10 @@ def test_shard_rows_by_hand_literal_tables():
 def test_killed_worker_then_restart_from_checkpoint_is_bitwise_the_uninterrupted_run(
         problem, uninterrupted):
     init, batches, _ = problem
+    before = live_children()
     result = S.fault_tolerant_run(init, batches, LR, every=2, kill_after=3,
                                   timeout_seconds=5.0, timeout=240)
+    assert live_children() == before  # every worker process of both runs has ended
     assert result["failure"]["step"] == 4  # the survivor's next step could not finish
     assert result["failure"]["type"] == "UnavailableError"  # the peer's process is gone
     assert result["resumed_from"] == 2  # the last checkpoint before the kill (every 2 steps)
@@ -73,8 +82,10 @@ def test_killed_worker_then_restart_from_checkpoint_is_bitwise_the_uninterrupted
 def test_a_frozen_worker_ends_the_survivors_step_after_the_collective_timeout(
         problem, uninterrupted):
     init, batches, _ = problem
+    before = live_children()
     result = S.fault_tolerant_run(init, batches, LR, every=2, kill_after=3, hang=True,
                                   timeout_seconds=3.0, timeout=240)
+    assert live_children() == before  # the frozen worker was ended too
     assert result["failure"]["type"] == "DeadlineExceededError"
     assert result["failure"]["step"] == 4
     assert result["failure"]["seconds"] >= 3.0  # a bound on the wait: the timeout, not sooner
@@ -94,3 +105,5 @@ def test_bad_arguments_name_the_value():
         S.shard_rows_by_hand("DATA", 1, 1, 1, batch=0)
     with pytest.raises(ValueError, match="workers"):
         S.run_workers([], [], LR, workers=0)
+    with pytest.raises(ValueError, match="timeout_seconds"):
+        S.run_workers([], [], LR, timeout_seconds=0)
