@@ -57,6 +57,9 @@ part IV      accel.distributed.cluster (10)    cluster specs, TF_CONFIG, LocalCl
                                                variables on ps tasks by bytes, ensembles
              accel.distributed.tf2_runs (10)   ParameterServerStrategy + ClusterCoordinator and
                                                MultiWorkerMirroredStrategy as processes
+             accel.distributed.strategies (11) MultiWorkerMirroredStrategy workers: what each
+                                               reads (InputContext, AutoShardPolicy), checkpoints,
+                                               a killed or frozen worker and the restart
 course       accel.course.registry             benchmarks (python -m accel bench) and figures
              accel.course.* (01-10)           each chapter's experiments, figures and toy set-ups;
                                                the only code that calls accel.devices.setup()

@@ -8,4 +8,7 @@
   ``ByteSizeStrategy`` for ``replica_device_setter``, in-graph and between-graph ensembles.
 * ``accel.distributed.tf2_runs``: ``ParameterServerStrategy`` + ``ClusterCoordinator`` and
   ``MultiWorkerMirroredStrategy`` on the same model, as processes, with custom loops.
+* ``accel.distributed.strategies`` (chapter 11): ``MultiWorkerMirroredStrategy`` workers that
+  report what they read (``InputContext``, each ``AutoShardPolicy``), checkpoint every k steps,
+  and recover from a killed or frozen worker with exactly the uninterrupted run's weights.
 """
