@@ -53,7 +53,6 @@ FIGURES: dict[str, str] = {
     "01_scale.png": "accel.course.scale:figure_scale",
     "02_placement.png": "accel.course.diagrams:figure_placement",
     "03_kernels.png": "accel.course.diagrams:figure_kernels",
-    "04_memory.png": "accel.course.memory:figure_memory",
     "06_scaling.png": "accel.course.scaling:figure_scaling",
     "08_schedules.png": "accel.course.pipeline:figure_schedules",
     "09_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",

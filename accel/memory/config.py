@@ -1,13 +1,26 @@
 """Configuring memory and threads from plain arguments: the TF1 ``ConfigProto`` and the TF2
 ``tf.config`` calls, with bad values refused before TensorFlow sees them.
 
-By default TensorFlow maps nearly all of every visible GPU's memory when it starts. TF1 changes
-that with ``GPUOptions`` (``allow_growth``, ``per_process_gpu_memory_fraction``,
-``visible_device_list``) in a session's ``ConfigProto``; TF2 with ``tf.config`` calls made before
-the first op (``set_visible_devices``, ``set_memory_growth``, logical devices with
-``memory_limit``) or the environment variable ``TF_FORCE_GPU_ALLOW_GROWTH=true``. Thread pools:
-``inter_op_parallelism_threads`` (independent ops at once) and ``intra_op_parallelism_threads``
-(threads inside one op), also fixed once TensorFlow has started.
+By default TensorFlow maps nearly all of every visible GPU's memory when it creates its GPU
+devices. TF1 changes that with ``GPUOptions`` (``allow_growth``,
+``per_process_gpu_memory_fraction``, ``visible_device_list``) in a ``ConfigProto``; TF2 with
+``tf.config`` calls made before the first op (``set_visible_devices``, ``set_memory_growth``,
+logical devices with ``memory_limit``) or the environment
+variable ``TF_FORCE_GPU_ALLOW_GROWTH=true``.
+
+These options are per *process*, not per session: a process creates its GPU devices and their
+allocators once, so the first session that creates them (or TF2's eager context, e.g. after
+``accel.devices.setup``; in a cluster the ``tf.distribute.Server``) fixes them, and the
+``gpu_options`` of later ``tf.compat.v1.Session(config=...)`` calls are ignored (a different
+``visible_device_list`` is refused; tensorflow/tensorflow#3057, #22526, #32919, #19083). With
+growth the allocator never gives memory back to the GPU while the process lives (TensorFlow's GPU
+guide: releasing it would fragment memory).
+
+Thread pools: ``inter_op_parallelism_threads`` (independent ops at once) and
+``intra_op_parallelism_threads`` (threads inside one op), also fixed once TensorFlow has started.
+A TF1 session without ``use_per_session_threads`` runs on one process-wide inter-op pool, created
+by the first such session with that session's size; ``use_per_session_threads=True`` gives the
+session a pool of its own.
 """
 
 from __future__ import annotations
@@ -45,9 +58,11 @@ def tf1_config(allow_growth: bool | None = None, memory_fraction: float | None =
                **extra) -> tf.compat.v1.ConfigProto:
     """A TF1 ``ConfigProto`` for ``tf.compat.v1.Session(config=...)``; ``None``: field unset.
 
-    ``memory_fraction``: ``gpu_options.per_process_gpu_memory_fraction``, in (0, 1];
-    ``visible_devices``: ``gpu_options.visible_device_list`` (GPU indices); threads: 0 lets
-    TensorFlow choose. ``extra``: other top-level fields, e.g. ``allow_soft_placement=True``.
+    The GPU fields take effect only in the session that creates the process's GPU devices
+    (see the module docstring). ``memory_fraction``:
+    ``gpu_options.per_process_gpu_memory_fraction``, in (0, 1]; ``visible_devices``:
+    ``gpu_options.visible_device_list`` (GPU indices); threads: 0 lets TensorFlow choose.
+    ``extra``: other top-level fields, e.g. ``allow_soft_placement=True``.
     """
     if memory_fraction is not None and not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction is the share of each GPU's memory to map, in (0, 1]; "

@@ -4,14 +4,19 @@ gradient step of a residual MLP, plain vs ``tf.recompute_grad`` vs float16 / bfl
 Each block is ``h + relu(h @ w1) @ w2`` with a hidden layer 4x wider than ``h``. Plain training
 keeps every block's hidden activations for the backward pass; ``tf.recompute_grad`` keeps only
 each block's input and recomputes the rest during the backward pass (less memory, one more
-forward). Half-precision compute halves the activations; on a CPU without native float16 /
-bfloat16 arithmetic it costs time instead of saving it. Peaks need the BFC allocator on CPU
-(see ``accel.memory.estimate``).
+forward: a forward is about a third of forward + backward, so about 4/3 of the work).
+Half-precision compute stores each activation in half the bytes, but the step also keeps
+half-precision copies of the weights; on a CPU without native float16 / bfloat16 arithmetic it
+costs time instead of saving it. Steps are timed as ``tf.function``s (eager dispatch overhead
+would distort the ratios), the variants interleaved round by round, each variant's fastest round
+kept (the least disturbed by other load). Peaks need the BFC allocator on CPU (see
+``accel.memory.estimate``).
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
@@ -19,7 +24,6 @@ import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
 from accel import checks, procs
 from accel.memory.estimate import MIB
 from accel.memory.measure import memory_device, peak_during
-from accel.timing import time_fn
 
 __all__ = ["VARIANTS", "residual_mlp", "gradient_step", "measure_variants",
            "measure_variants_anywhere", "ratios"]
@@ -65,16 +69,26 @@ def gradient_step(params, x, variant: str = "plain") -> list[tf.Tensor]:
 def measure_variants(batch: int = 512, blocks: int = 8, width: int = 64, repeat: int = 5,
                      variants=tuple(VARIANTS)) -> dict[str, dict[str, float]]:
     """``{variant: {"peak_mib": .., "seconds": ..}}``: each variant's peak (allocator peak above
-    the level before the step) and median step time, all in the same run."""
+    the level before the step) and step time, all in the same run. Each step is a traced
+    ``tf.function``; ``repeat`` rounds run every variant once, and a variant's time is its
+    fastest round."""
+    checks.positive_int("repeat", repeat)
+    for name in variants:
+        checks.one_of("variant", name, VARIANTS)
     params = residual_mlp(blocks, width)
     x = tf.constant(np.random.default_rng(1).normal(size=(batch, width)).astype(np.float32))
+    steps = {name: tf.function(lambda name=name: gradient_step(params, x, name))
+             for name in variants}
     out = {}
-    for name in variants:
-        def run(name=name):
-            return gradient_step(params, x, name)[0].numpy()
-        run()
-        peak, _ = peak_during(run, memory_device())
-        out[name] = {"peak_mib": peak / MIB, "seconds": time_fn(run, repeat=repeat)}
+    for name, step in steps.items():
+        step()[0].numpy()  # trace once
+        peak, _ = peak_during(lambda step=step: step()[0].numpy(), memory_device())
+        out[name] = {"peak_mib": peak / MIB, "seconds": float("inf")}
+    for _ in range(repeat):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()[0].numpy()
+            out[name]["seconds"] = min(out[name]["seconds"], time.perf_counter() - start)
     return out
 
 

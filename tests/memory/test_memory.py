@@ -195,3 +195,10 @@ def test_threads_in_fresh_process():
     assert timing.matmul_seconds_with_threads(1, n=64, repeat=1) > 0
     with pytest.raises(ValueError, match="threads must be an int >= 1, got 0"):
         timing.matmul_seconds_with_threads(0)
+
+
+def test_measure_variants_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="variant must be one of .* got 'int8'"):
+        memory_savings.measure_variants(batch=8, blocks=1, width=4, variants=("plain", "int8"))
+    with pytest.raises(ValueError, match="repeat"):
+        memory_savings.measure_variants(batch=8, blocks=1, width=4, repeat=0)
