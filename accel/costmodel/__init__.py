@@ -10,5 +10,7 @@ wherever a chapter prints it.
   (memory per GPU, step time, transfer time, idle share) over PCIe vs NVLink;
 - ``accel.costmodel.pipeline``: a pipeline's step time and bubble, transformer activations;
 - ``accel.costmodel.tensor_parallel``: when tensor parallelism pays (NVLink vs networks), bytes
-  held and sent vs data parallelism, and the scaling Megatron-LM reports.
+  held and sent vs data parallelism, and the scaling Megatron-LM reports;
+- ``accel.costmodel.zero``: ZeRO's bytes per device (stages 0-3, mixed precision and float32
+  Adam) and per step, and when optimizer offload over PCIe is free.
 """

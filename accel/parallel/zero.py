@@ -61,6 +61,7 @@ def adam_apply(w, g, m: tf.Variable, v: tf.Variable, t, learning_rate: float,
                beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7):
     """One Adam update (Keras' form) at step ``t`` (1, 2, ...): updates the slots ``m`` and
     ``v`` in place and returns the new ``w`` (a tensor), where the caller's device scope is."""
+    t = tf.cast(t, m.dtype)
     alpha = learning_rate * tf.sqrt(1 - beta_2 ** t) / (1 - beta_1 ** t)
     m.assign_add((g - m) * (1 - beta_1))
     v.assign_add((tf.square(g) - v) * (1 - beta_2))
