@@ -16,6 +16,7 @@ costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, 
              accel.costmodel.model_parallel    naive model parallelism on GPUs: step, idle (07)
              accel.costmodel.pipeline (08)     pipeline step, bubble, transformer activations
              accel.costmodel.tensor_parallel   when tensor parallelism pays; Megatron's scaling (09)
+             accel.costmodel.zero (12)         ZeRO bytes held and sent per device; offload verdict
              accel.costmodel.planner (12)      memory per GPU and step time of a d x t x p plan
              accel.costmodel.plans (12)        every plan enumerated, the ones that fit ranked
              accel.costmodel.megatron_table    the planner vs Narayanan et al. 2021, Table 1 (12)
@@ -49,6 +50,10 @@ part III     accel.parallel.staleness (05)     the server's decision rules, reco
                                                dense, Megatron MLP and transformer block
              accel.parallel.mesh (09)          the same with DTensor: meshes, layouts, relayouts
              accel.parallel.vocab (09)         vocabulary-parallel embedding and cross-entropy
+             accel.parallel.zero (12)          ZeRO stages 0-3 by hand (Adam), bytes held counted
+             accel.parallel.offload (12)       Adam's state and update on a host device
+             accel.parallel.accumulate (12)    gradient accumulation: k micro-steps, one update
+             accel.parallel.moe (12)           mixture of experts: routing rule, all-to-all layer
 part IV      accel.distributed.cluster (10)    cluster specs, TF_CONFIG, LocalCluster: one server
                                                process per task, always ended, clear errors
              accel.distributed.replication     in-graph / between-graph x sync / async (TF1,
@@ -61,7 +66,7 @@ part IV      accel.distributed.cluster (10)    cluster specs, TF_CONFIG, LocalCl
                                                reads (InputContext, AutoShardPolicy), checkpoints,
                                                a killed or frozen worker and the restart
 course       accel.course.registry             benchmarks (python -m accel bench) and figures
-             accel.course.* (01-10)           each chapter's experiments, figures and toy set-ups;
+             accel.course.* (01-12)           each chapter's experiments, figures and toy set-ups;
                                                the only code that calls accel.devices.setup()
 
 Importing ``accel`` sets two environment variables (unless you set them) *before* TensorFlow is

@@ -10,11 +10,13 @@ wherever a chapter prints it.
   (memory per GPU, step time, transfer time, idle share) over PCIe vs NVLink;
 - ``accel.costmodel.pipeline``: a pipeline's step time and bubble, transformer activations;
 - ``accel.costmodel.tensor_parallel``: when tensor parallelism pays (NVLink vs networks), bytes
-  held and sent vs data parallelism, and the scaling Megatron-LM reports.
+  held and sent vs data parallelism, and the scaling Megatron-LM reports;
 - ``accel.costmodel.planner``: a transformer on a cluster under a data x tensor x pipeline x
   ZeRO plan: memory per device and time per step;
 - ``accel.costmodel.plans``: the planner's search: every plan, the ones that fit ranked, a clear
   error when none fits;
 - ``accel.costmodel.megatron_table``: the planner against the layouts and throughputs Narayanan
-  et al. 2021 report (Table 1).
+  et al. 2021 report (Table 1);
+- ``accel.costmodel.zero``: ZeRO's bytes per device (stages 0-3, mixed precision and float32
+  Adam) and per step, and when optimizer offload over PCIe is free.
 """

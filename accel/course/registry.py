@@ -43,6 +43,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tensor-parallel": ("accel.course.tensor_parallel:bench",
                         "tensor-parallel MLP and block vs one device, DTensor vs by hand, bytes "
                         "sent vs the formula (chapter 09)"),
+    "zero": ("accel.course.zero:bench",
+             "ZeRO stages 1-3 and optimizer offload vs plain data parallelism, bytes sent per "
+             "step vs the formulas (chapter 12)"),
     "towers": ("accel.course.scaling:bench_towers",
                "step time of hand-written towers vs MirroredStrategy vs one device (chapter 06)"),
 }
@@ -58,6 +61,7 @@ FIGURES: dict[str, str] = {
     "09_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",
     "09_tp_cost.png": "accel.course.tensor_parallel:figure_tp_cost",
     "12_planner_terms.png": "accel.course.planner:figure_terms",
+    "12_zero_memory.png": "accel.course.zero:figure_zero_memory",
 }
 
 

@@ -19,5 +19,11 @@
 - ``accel.parallel.tensor`` (09): tensor parallelism by hand: column- and row-parallel dense
   layers, Megatron's f and g, the MLP and a transformer block with its heads split;
 - ``accel.parallel.mesh`` (09): the same with DTensor: meshes, layouts, the collectives it inserts;
-- ``accel.parallel.vocab`` (09): the vocabulary split: embedding and softmax cross-entropy.
+- ``accel.parallel.vocab`` (09): the vocabulary split: embedding and softmax cross-entropy;
+- ``accel.parallel.zero`` (12): ZeRO stages 0-3 by hand with Adam (optimizer state, gradients,
+  weights sharded), the bytes each device holds counted from its variables;
+- ``accel.parallel.offload`` (12): Adam's state and update on a host device;
+- ``accel.parallel.accumulate`` (12): gradient accumulation, k micro-steps then one update;
+- ``accel.parallel.moe`` (12): a mixture-of-experts layer: the routing rule (pure), experts on
+  several devices with an all-to-all each way, the load-balancing loss.
 """

@@ -29,7 +29,13 @@ import numpy as np
 import tensorflow as tf
 
 from accel import checks
-from accel.collectives import all_gather, collective_op, on_device, reduce_scatter
+from accel.collectives import (
+    all_gather,
+    check_devices,
+    collective_op,
+    on_device,
+    reduce_scatter,
+)
 from accel.models import mlp_apply
 
 __all__ = ["STAGES", "ZeroStep", "flatten_layers", "unflatten_layer", "adam_apply"]
@@ -61,6 +67,7 @@ def adam_apply(w, g, m: tf.Variable, v: tf.Variable, t, learning_rate: float,
                beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7):
     """One Adam update (Keras' form) at step ``t`` (1, 2, ...): updates the slots ``m`` and
     ``v`` in place and returns the new ``w`` (a tensor), where the caller's device scope is."""
+    t = tf.cast(t, m.dtype)
     alpha = learning_rate * tf.sqrt(1 - beta_2 ** t) / (1 - beta_1 ** t)
     m.assign_add((g - m) * (1 - beta_1))
     v.assign_add((tf.square(g) - v) * (1 - beta_2))
@@ -78,16 +85,16 @@ class ZeroStep:
         if stage not in STAGES or isinstance(stage, bool):
             raise ValueError(f"stage must be one of {list(STAGES)} (0 = plain data "
                              f"parallelism), got {stage!r}")
-        self.devices = list(devices)
+        self.devices = check_devices(devices)
         self.n = n = len(self.devices)
         self.stage, self.loss_fn = stage, loss_fn
         self.lr = checks.positive_number("learning_rate", learning_rate)
         self.beta_1, self.beta_2 = beta_1, beta_2
         self.epsilon, self.dtype = epsilon, tf.as_dtype(dtype)
+        flats = flatten_layers(params, n)
         self.shapes = [(np.shape(w), np.shape(b)) for w, b in zip(params[::2], params[1::2],
                                                                    strict=True)]
         self.params = sum(int(np.size(p)) for p in params)
-        flats = flatten_layers(params, n)
         self.padded_params = sum(len(f) for f in flats)
         self.vars: dict[str, list[list[tf.Variable]]] = {k: [] for k in
                                                          ("weights", "grads", "optimizer")}

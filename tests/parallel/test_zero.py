@@ -99,3 +99,7 @@ def test_bad_input(four_devices):
         ZeroStep(params, four_devices, 1, squared_error, learning_rate=0)
     with pytest.raises(ValueError, match="n must be an int >= 1"):
         flatten_layers(params, 0)
+    with pytest.raises(ValueError, match="devices is empty"):
+        ZeroStep(params, [], 1, squared_error)
+    with pytest.raises(ValueError, match="params must alternate weight, bias; got 3"):
+        ZeroStep(params[:3], four_devices, 1, squared_error)

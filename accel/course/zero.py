@@ -1,0 +1,151 @@
+"""Chapter 12's experiments: ZeRO stages and offload ready to time, the bytes they hold and send
+next to the paper's formulas, the ``zero`` benchmark, a figure and the exercise checks.
+
+* ``make_steps(device_names, n, sizes, batch)``: ``{"dp", "zero1", "zero2", "zero3",
+  "offload"}`` -> (the step object, its inputs), same model, data and Adam;
+* ``held_table`` / ``sent_table``: per stage, the bytes one device holds / sends, counted and by
+  the formula;
+* ``bench(device_names, quick=False)``: ``python -m accel bench zero``;
+* ``figure_zero_memory()``: the paper's example (7.5B parameters, N = 64) as bars.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from accel import collectives, timing
+from accel.costmodel import zero as cost
+from accel.models import mlp_init
+from accel.parallel.offload import OffloadStep
+from accel.parallel.zero import ZeroStep
+from accel.training import squared_error
+
+__all__ = ["SIZES", "NAMES", "make_steps", "held_table", "sent_table", "time_steps", "bench",
+           "figure_zero_memory", "check_stage_bytes", "check_offload_tokens"]
+
+# 64*256+256 = 16640 and 256*64+64 = 16448 parameters per layer: both divide by 2 and 4
+SIZES = [64, 256, 64]
+NAMES = ("dp", "zero1", "zero2", "zero3", "offload")
+
+
+def make_steps(device_names: Sequence[str], n: int = 2, sizes: Sequence[int] = SIZES,
+               batch: int = 64, seed: int = 0) -> dict[str, tuple]:
+    """Each way of training, on the first ``n`` devices (offload: Adam on the last device, left
+    out when there is no device left), with the same initial weights and data: name -> (step
+    object, xs, ys)."""
+    devs = list(device_names[:n])
+    params = mlp_init(list(sizes), seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    x = rng.normal(size=(batch, sizes[0])).astype(np.float32)
+    y = rng.normal(size=(batch, sizes[-1])).astype(np.float32)
+    xs = collectives.place(list(np.split(x, n)), devs)
+    ys = collectives.place(list(np.split(y, n)), devs)
+    out = {name: (ZeroStep(params, devs, stage, squared_error), xs, ys)
+           for stage, name in enumerate(NAMES[:4])}
+    if n < len(device_names):
+        out["offload"] = (OffloadStep(params, devs, device_names[-1], squared_error), xs, ys)
+    return out
+
+
+def held_table(steps: dict, precision: str = "fp32") -> list[tuple]:
+    """Per ZeRO stage: (name, counted bytes on device 0 as weights/grads/optimizer/total, the
+    formula's total, the formula as text)."""
+    rows = []
+    for stage, name in enumerate(NAMES[:4]):
+        step = steps[name][0]
+        held = step.held_bytes()[step.devices[0]]
+        want = cost.zero_bytes_per_device(step.padded_params, step.n, stage, precision)
+        rows.append((name, held, want["total"], cost.zero_formula(stage, precision)))
+    return rows
+
+
+def sent_table(steps: dict) -> list[tuple]:
+    """Per ZeRO stage: (name, bytes each device sent in one step, counted (min, max), formula)."""
+    rows = []
+    for stage, name in enumerate(NAMES[:4]):
+        step, xs, ys = steps[name]
+        sent = collectives.sent_bytes(step.step, xs, ys)
+        rows.append((name, min(sent.values()), max(sent.values()),
+                     cost.zero_comm_bytes(step.padded_params, step.n, stage, "fp32")))
+    return rows
+
+
+def time_steps(steps: dict, rounds: int = 3, repeat: int = 5) -> dict[str, float]:
+    """Median seconds of one step of each, timed in interleaved rounds."""
+    fns = {k: (lambda s=s, x=x, y=y: [v.numpy() for v in s.step(x, y)])
+           for k, (s, x, y) in steps.items()}
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            samples[k].append(timing.time_fn(fn, repeat=repeat, warmup=0))
+    return {k: float(np.median(v)) for k, v in samples.items()}
+
+
+def bench(device_names: Sequence[str], quick: bool = False) -> dict:
+    """Step time of ZeRO 1-3 and offload vs plain data parallelism on the same 2 devices
+    (ratios from one run) and bytes sent per step vs the formulas (n = 2 and 4)."""
+    sizes, batch = ([8, 16, 8], 8) if quick else ([256, 1024, 256], 256)
+    rounds, repeat = (1, 1) if quick else (3, 5)
+    steps = make_steps(device_names, 2, sizes, batch)
+    t = time_steps(steps, rounds, repeat)
+    out = {f"{k}/dp": v / t["dp"] for k, v in t.items()}
+    lines = ["median Adam step time on 2 devices (offload: Adam on a third); ratios against "
+             "plain data parallelism (dp) of the same run",
+             timing.format_ratios(t, "dp")]
+    for n in (2, 4):
+        for name, low, high, want in sent_table(make_steps(device_names, n, sizes, batch)):
+            out[f"{name}_bytes_{n}"] = high
+            same = low == high == want
+            lines.append(f"n={n} {name:6} bytes sent per device per step: counted {low}..{high}"
+                         f", formula {want:.0f} ({'equal' if same else 'DIFFERENT'})")
+    lines.append("this machine's 2-thread vs 1-thread matmul ceiling: "
+                 f"{timing.thread_ceiling():.2f}x (virtual CPUs share the cores)")
+    print("\n".join(lines))
+    return out
+
+
+def figure_zero_memory(params: int = 7_500_000_000, n: int = 64):
+    """Bytes per device of model states for ZeRO stages 0-3, mixed precision (the paper's
+    figure 1 example), split into weights, gradients and optimizer state."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    labels = ["DP (stage 0)", "stage 1", "stage 2", "stage 3"]
+    bottom = np.zeros(4)
+    for part, color in (("weights", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")):
+        vals = np.array([cost.zero_bytes_per_device(params, n, s)[part] / 1e9 for s in range(4)])
+        ax.bar(labels, vals, bottom=bottom, label=part, color=color)
+        bottom += vals
+    for i, v in enumerate(bottom):
+        ax.text(i, v, f"{v:.1f} GB", ha="center", va="bottom")
+    ax.set_ylabel("GB per device")
+    ax.set_title(f"ZeRO, mixed-precision Adam: {params / 1e9:g}B parameters on N = {n} "
+                 "(formulas of arXiv:1910.02054)", fontsize=9)
+    ax.legend()
+    return fig
+
+
+def check_stage_bytes(answer) -> str:
+    """Exercise 1: bytes one device holds, float32 Adam, 1e9 parameters, 8 devices, stage 2."""
+    if answer is None:
+        return "not yet: set answer to a number of bytes"
+    right = cost.zero_total_bytes(10**9, 8, 2, "fp32")
+    if answer == right:
+        return f"right: 4 bytes x 1e9 weights + 12 bytes x 1e9 / 8 = {right:.3g} bytes"
+    return f"not quite: {answer} is {'too high' if answer > right else 'too low'}"
+
+
+def check_offload_tokens(answer) -> str:
+    """Exercise 2: tokens per GPU and step from which offload over PCIe 5.0 x16 is free for an
+    H100 at 50% of its bf16 peak (within 1%)."""
+    if answer is None:
+        return "not yet: set answer to a number of tokens"
+    right = cost.offload_break_even_tokens("NVIDIA H100 SXM", "PCIe 5.0 x16", "bf16")
+    if abs(answer - right) <= 0.01 * right:
+        return (f"right: 2 bytes x (50% of 989.4e12 FLOP/s) / (6 FLOPs x 63e9 B/s) = {right:.0f}"
+                " tokens")
+    return f"not quite: {answer} is {'too high' if answer > right else 'too low'}"

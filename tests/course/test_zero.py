@@ -1,0 +1,31 @@
+"""Chapter 12's experiments: the exercises' checks with the right answers, the tables the chapter
+prints (counted equals formula), the figure. (The quick benchmark runs in the test of all
+benchmarks.)"""
+
+from accel.course import zero as course
+
+
+def test_exercise_checks():
+    assert course.check_stage_bytes(None).startswith("not yet")
+    assert course.check_stage_bytes(4e9 + 12e9 / 8).startswith("right")  # 5.5e9 bytes
+    assert course.check_stage_bytes(16e9).startswith("not quite")
+    assert course.check_offload_tokens(None).startswith("not yet")
+    assert course.check_offload_tokens(2 * 989.4e12 * 0.5 / (6 * 63e9)).startswith("right")
+    assert course.check_offload_tokens(100).startswith("not quite")
+
+
+def test_tables_count_what_the_formulas_say(four_devices):
+    steps = course.make_steps(four_devices, n=4, sizes=[4, 8, 4], batch=8)
+    assert "offload" not in steps  # no device left for the host
+    for _, held, formula, _ in course.held_table(steps):
+        assert held["total"] == formula
+    for _, low, high, formula in course.sent_table(steps):
+        assert low == high == formula
+
+
+def test_figure():
+    import matplotlib.pyplot as plt
+
+    fig = course.figure_zero_memory()
+    assert len(fig.axes[0].patches) == 12  # 4 stages x 3 parts
+    plt.close(fig)
