@@ -24,6 +24,8 @@ part I       accel.devices (01)                device names, physical vs logical
              accel.kernels (03)                the kernel registry: op x device type x dtype
              accel.placement (02, 03)          where ops ran (placement_of), device functions,
                                                soft placement, placement logs
+             accel.profile (02)                what ran when: step-stats timelines, profiler
+                                               traces as tables, C++ log levels
 part II      accel.memory.estimate (04)        training memory estimated per part
              accel.memory.measure (04)         what TensorFlow holds: tape tensors, peaks, scratch
              accel.memory.config (04)          TF1 ConfigProto / TF2 GPU memory plans

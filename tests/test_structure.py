@@ -24,6 +24,7 @@ LAYERS = {
     "accel.models": 0, "accel.training": 0, "accel.viz": 0,
     "accel.costmodel": 1,
     "accel.devices": 2, "accel.kernels": 2, "accel.placement": 2,
+    "accel.profile": 2,
     "accel.memory": 3,
     "accel.collectives": 4,
     "accel.parallel": 5,

@@ -90,23 +90,28 @@ def figure_placement(placement: Placement | None = None, hide: Sequence[str] = (
 
 
 KERNEL_OPS = ("VariableV2", "AssignAddVariableOp", "MatMul", "Conv2D", "StringJoin",
-              "DecodeJpeg", "UniqueV2", "TopKV2")
+              "DecodeJpeg", "Unique", "UniqueV2", "TopKV2")
 
 
 def figure_kernels(ops: Sequence[str] = KERNEL_OPS, device_types: Sequence[str] = ("CPU", "GPU")):
-    """How many dtypes each op has a kernel for, per device type (0 = the op cannot run there)."""
-    counts = []
-    for op in ops:
-        table = registered_kernels(op)
-        counts.append([len(table.get(d, [])) for d in device_types])
+    """How many dtypes each op has a kernel for, per device type (0 = the op cannot run there).
+
+    A kernel registered without a dtype constraint ("any": it accepts every dtype) is shaded as
+    dark as the widest list in the figure, since no listed kernel accepts more."""
+    tables = [registered_kernels(op) for op in ops]
+    anys = [[t.get(d) == ["any"] for d in device_types] for t in tables]
+    counts = [[len(t.get(d, [])) for d in device_types] for t in tables]
+    top = max([n for row, a in zip(counts, anys, strict=True)
+               for n, is_any in zip(row, a, strict=True) if not is_any], default=1)
+    shade = [[top if is_any else n for n, is_any in zip(row, a, strict=True)]
+             for row, a in zip(counts, anys, strict=True)]
     fig, ax = plt.subplots(figsize=(4.2, 0.6 + 0.38 * len(ops)))
-    ax.imshow(counts, cmap="Greens", aspect="auto", vmin=0)
+    ax.imshow(shade, cmap="Greens", aspect="auto", vmin=0, vmax=top * 1.25)
     for i, row in enumerate(counts):
         for j, n in enumerate(row):
-            ax.text(j, i, "any" if n and registered_kernels(ops[i]).get(device_types[j]) == ["any"]
-                    else str(n), ha="center", va="center", fontsize=8)
+            ax.text(j, i, "any" if anys[i][j] else str(n), ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(device_types)), device_types)
     ax.set_yticks(range(len(ops)), ops)
-    ax.set_title("dtypes with a registered kernel", fontsize=10)
+    ax.set_title("dtypes with a registered kernel (darker = more)", fontsize=10)
     fig.tight_layout()
     return fig

@@ -53,7 +53,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 # file name in images/ -> "module:function" returning a Figure
 FIGURES: dict[str, str] = {
     "01_devices.png": "accel.course.diagrams:figure_devices",
-    "01_scale.png": "accel.course.scale:figure_scale",
     "02_placement.png": "accel.course.diagrams:figure_placement",
     "03_kernels.png": "accel.course.diagrams:figure_kernels",
     "06_scaling.png": "accel.course.scaling:figure_scaling",

@@ -6,7 +6,7 @@ from accel.costmodel import hardware, steps
 
 
 def test_training_flops_defaults_are_inception_on_imagenet():
-    assert steps.training_flops() == pytest.approx(3 * 5.7e9 * 1_281_167 * 100)
+    assert steps.training_flops() == pytest.approx(3 * 2 * 5.7e9 * 1_281_167 * 100)
     assert steps.training_flops(1.0, 10, 2) == pytest.approx(60e9)
 
 

@@ -1,0 +1,202 @@
+"""What ran when in one step: the timeline of a traced TF1 session run, and a
+``tf.profiler.experimental`` trace summarised as a table.
+
+- ``traced_run(session, fetches, feed_dict)``: run once with ``RunOptions(trace_level=FULL_TRACE,
+  output_partition_graphs=True)`` and return ``(result, RunMetadata)``.
+- ``step_intervals(run_metadata)``: the per-device ``step_stats`` as ``Interval`` rows (device,
+  start and end in ms from the step's first op, node name, op type), ready for
+  ``accel.viz.timeline``.
+- ``profile_trace(fn, logdir)``: call ``fn()`` between ``tf.profiler.experimental.start`` and
+  ``stop`` and return the ``*.xplane.pb`` file TensorFlow wrote (open the logdir with
+  ``tensorboard --logdir`` and the profile plugin: ``pip install -e ".[profile]"``).
+- ``trace_events(path)`` / ``summarize_trace(events)``: read that file's events back and
+  total them per op name, as a table.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from accel import checks
+from accel.placement import short_device
+
+__all__ = ["Interval", "traced_run", "step_intervals", "copy_intervals", "profile_trace",
+           "TraceEvent", "trace_events", "summarize_trace", "format_summary", "log_severity",
+           "visible_at_level"]
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One op execution: its device, start and end (ms from the step's first op), name, type."""
+
+    lane: str
+    start: float
+    end: float
+    name: str
+    op_type: str
+
+
+def traced_run(session, fetches, feed_dict=None):
+    """Run ``fetches`` once in ``session`` with a full trace; return ``(result, RunMetadata)``."""
+    opts = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
+                                   output_partition_graphs=True)
+    meta = tf.compat.v1.RunMetadata()
+    result = session.run(fetches, feed_dict=feed_dict, options=opts, run_metadata=meta)
+    return result, meta
+
+
+_LABEL_TYPE = re.compile(r"=\s*(\w+)\(")
+
+
+def step_intervals(run_metadata, skip: Sequence[str] = ("_Arg", "_Retval", "NoOp")
+                   ) -> list[Interval]:
+    """The ``step_stats`` of ``run_metadata`` as intervals, sorted by start.
+
+    Times are the executor's ``all_start`` / ``all_end`` per node (scheduling included), in ms
+    from the earliest start. Op types come from the run's partition graphs when it has them
+    (``traced_run`` asks for them), else from the node's timeline label. Ops of a type in
+    ``skip`` are left out.
+    """
+    types = {(short_device(n.device), n.name): n.op
+             for g in run_metadata.partition_graphs for n in g.node}
+    raw = []
+    for dev in run_metadata.step_stats.dev_stats:
+        lane = short_device(dev.device)
+        for ns in dev.node_stats:
+            start = ns.all_start_nanos / 1e6 if ns.all_start_nanos else ns.all_start_micros / 1e3
+            length = (ns.all_end_rel_nanos / 1e6 if ns.all_end_rel_nanos
+                      else ns.all_end_rel_micros / 1e3)
+            label = _LABEL_TYPE.search(ns.timeline_label)
+            op_type = types.get((lane, ns.node_name), label[1] if label else "")
+            if op_type not in skip:
+                raw.append((lane, start, start + length, ns.node_name, op_type))
+    if not raw:
+        raise ValueError("run_metadata has no step stats: run with trace_level=FULL_TRACE "
+                         "(accel.profile.traced_run does)")
+    t0 = min(r[1] for r in raw)
+    return sorted((Interval(lane, s - t0, e - t0, name, op) for lane, s, e, name, op in raw),
+                  key=lambda i: (i.start, i.lane, i.name))
+
+
+def copy_intervals(run_metadata, intervals: Sequence[Interval]) -> list[Interval]:
+    """One interval per cross-device copy, on a lane named ``'copy -> DEVICE'``: from the end of
+    the op that produced the tensor to the start of the first op that used it on the other side.
+
+    TensorFlow 2.21 records no step stats for the ``_Send``/``_Recv`` nodes themselves, so the
+    copies are found in the partition graphs and timed by their neighbours: the interval is the
+    transfer plus the wait of the consumer (the synchronisation point)."""
+    done = {(i.lane, i.name): i.end for i in intervals}
+    starts = {(i.lane, i.name): i.start for i in intervals}
+    nodes = [(short_device(n.device), n) for g in run_metadata.partition_graphs for n in g.node]
+    producer = {}  # tensor name of a _Send -> (producing op's end, from, to)
+    for dev, n in nodes:
+        if n.op == "_Send" and n.input:
+            src = n.input[0].split(":")[0].lstrip("^")
+            if (dev, src) in done:
+                producer[n.attr["tensor_name"].s.decode()] = (
+                    done[(dev, src)], src, dev, short_device(n.attr["recv_device"].s.decode()))
+    recv_name = {n.attr["tensor_name"].s.decode(): (dev, n.name) for dev, n in nodes
+                 if n.op == "_Recv"}
+    copies = []
+    for tensor, (end, src, _frm, to) in producer.items():
+        dev, rname = recv_name.get(tensor, (to, None))
+        users = [starts[(dev, n.name)] for d, n in nodes if d == dev and (dev, n.name) in starts
+                 and any(i.split(":")[0] == rname for i in n.input)]
+        if users:
+            copies.append(Interval(f"copy -> {to}", end, max(end, min(users)), f"{src}",
+                                   "_Send/_Recv"))
+    return sorted(copies, key=lambda i: (i.start, i.lane))
+
+
+def profile_trace(fn: Callable[[], object], logdir: str) -> str:
+    """Call ``fn()`` under ``tf.profiler.experimental`` writing into ``logdir``; return the path
+    of the ``*.xplane.pb`` trace it wrote (the newest, if the logdir holds several)."""
+    if not callable(fn):
+        raise ValueError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
+    tf.profiler.experimental.start(logdir)
+    try:
+        fn()
+    finally:
+        tf.profiler.experimental.stop()
+    found = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
+    if not found:
+        raise ValueError(f"no *.xplane.pb under {logdir!r}/plugins/profile after the trace")
+    return max(found, key=os.path.getmtime)
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One event of a profiler trace: plane (e.g. '/host:CPU'), line (thread), name, times (ms)."""
+
+    plane: str
+    line: str
+    name: str
+    start: float
+    duration: float
+
+
+def trace_events(path: str) -> list[TraceEvent]:
+    """Every event of an ``*.xplane.pb`` file, start times in ms from the line's own start."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    events = []
+    for plane in space.planes:
+        meta = {k: (v.display_name or v.name) for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            for ev in line.events:
+                events.append(TraceEvent(plane.name, line.display_name or line.name,
+                                         meta.get(ev.metadata_id, "?"), ev.offset_ps / 1e9,
+                                         ev.duration_ps / 1e9))
+    return events
+
+
+def summarize_trace(events: Iterable[TraceEvent], names: Sequence[str] | None = None,
+                    plane: str = "/host:CPU", top: int = 10) -> list[tuple[str, int, float]]:
+    """``(name, count, total ms)`` per event name on ``plane``, largest total first.
+
+    With ``names``, only those (e.g. the op names of the step); else the ``top`` largest."""
+    checks.positive_int("top", top)
+    totals: dict[str, list] = {}
+    for ev in events:
+        if ev.plane == plane and (names is None or ev.name in names):
+            row = totals.setdefault(ev.name, [0, 0.0])
+            row[0] += 1
+            row[1] += ev.duration
+    rows = sorted(((k, n, t) for k, (n, t) in totals.items()), key=lambda r: (-r[2], r[0]))
+    return rows if names is not None else rows[:top]
+
+
+_SEVERITY = {"I": "INFO", "W": "WARNING", "E": "ERROR", "F": "FATAL"}
+_LOG_PREFIX = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ \S+:\d+\] ")
+
+
+def log_severity(line: str) -> str | None:
+    """The severity of one line of TensorFlow's C++ log ('INFO', 'WARNING', 'ERROR', 'FATAL'),
+    or ``None`` for a line that did not come through the log (e.g. a ``printf``)."""
+    m = _LOG_PREFIX.match(line)
+    return _SEVERITY[m[1]] if m else None
+
+
+def visible_at_level(lines: Iterable[str], level: int) -> list[str]:
+    """The lines that ``TF_CPP_MIN_LOG_LEVEL=level`` lets through: level 0 all, 1 hides INFO,
+    2 also WARNING, 3 also ERROR; lines that are not log lines are never hidden."""
+    if level not in (0, 1, 2, 3):
+        raise ValueError(f"level must be one of 0, 1, 2, 3 (TF_CPP_MIN_LOG_LEVEL), got {level!r}")
+    hidden = ("INFO", "WARNING", "ERROR")[:level]
+    return [ln for ln in lines if log_severity(ln) not in hidden]
+
+
+def format_summary(rows: Sequence[tuple[str, int, float]]) -> str:
+    """The summary as aligned text: name, count, total ms."""
+    width = max([4, *(len(r[0]) for r in rows)])
+    return "\n".join([f"{'name':{width}}  count  total ms"]
+                     + [f"{n:{width}}  {c:5d}  {t:8.3f}" for n, c, t in rows])

@@ -1,0 +1,125 @@
+"""accel.profile: step-stats timelines and copies against the partition graphs and hand-written
+tables, profiler traces against the ops that ran, and TF_CPP_MIN_LOG_LEVEL against TensorFlow
+started at each level."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accel import placement, procs, profile
+
+
+def two_branch_step():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [64, 64], name="x")
+        with tf.device("/cpu:0"):
+            a = tf.matmul(x, x, name="a")
+        with tf.device("/cpu:1"):
+            b = tf.matmul(x, x, name="b")
+        with tf.device("/cpu:0"):
+            total = tf.add(a, b, name="total")
+    feed = {x: np.eye(64, dtype=np.float32)}
+    with tf.compat.v1.Session(graph=g, config=placement.session_config()) as sess:
+        result, meta = profile.traced_run(sess, total, feed)
+    return result, meta
+
+
+def test_step_intervals_and_copies_match_a_hand_written_table(four_devices):
+    result, meta = two_branch_step()
+    np.testing.assert_allclose(result, 2 * np.eye(64), rtol=1e-6)
+    ops = profile.step_intervals(meta, skip=("NoOp", "_Retval"))
+    assert sorted((i.lane, i.name, i.op_type) for i in ops) == [
+        ("/device:CPU:0", "_arg_x_0_0", "_Arg"), ("/device:CPU:0", "a", "MatMul"),
+        ("/device:CPU:0", "total", "AddV2"), ("/device:CPU:1", "b", "MatMul")]
+    assert min(i.start for i in ops) == 0.0 and all(i.end >= i.start for i in ops)
+    copies = profile.copy_intervals(meta, ops)
+    assert sorted((c.name, c.lane) for c in copies) == [
+        ("_arg_x_0_0", "copy -> /device:CPU:1"), ("b", "copy -> /device:CPU:0")]
+    at = {i.name: i for i in ops}
+    assert at["total"].start >= max(at["a"].end, at["b"].end)  # the synchronisation point
+    by_name = {c.name: c for c in copies}
+    assert by_name["b"].start == at["b"].end and by_name["b"].end == at["total"].start
+
+
+def test_step_intervals_needs_a_traced_run():
+    with pytest.raises(ValueError, match="no step stats: run with trace_level=FULL_TRACE"):
+        profile.step_intervals(tf.compat.v1.RunMetadata())
+
+
+def test_profiler_trace_counts_the_ops_that_ran(four_devices, tmp_path):
+    @tf.function
+    def step(x):
+        with tf.device("/cpu:0"):
+            a = tf.matmul(tf.matmul(x, x), x)
+        with tf.device("/cpu:1"):
+            b = tf.matmul(x, x)
+        return a + b
+
+    xs = tf.ones((32, 32))
+    ran = placement.placement_of(step, xs)
+    step(xs)
+    path = profile.profile_trace(lambda: step(xs), str(tmp_path))
+    assert path.endswith(".xplane.pb")
+    rows = dict((n, c) for n, c, _ in profile.summarize_trace(
+        profile.trace_events(path), names=["MatMul", "AddV2", "_Send"]))
+    expected = {t: sum(r.op_type == t for r in ran) for t in ("MatMul", "AddV2", "_Send")}
+    assert rows == expected == {"MatMul": 3, "AddV2": 1, "_Send": 2}
+
+
+def test_profile_trace_rejects_a_non_callable(tmp_path):
+    with pytest.raises(ValueError, match="fn must be a callable taking no arguments, got int"):
+        profile.profile_trace(3, str(tmp_path))
+
+
+def test_summarize_trace_totals_by_name_on_one_plane():
+    ev = [profile.TraceEvent("/host:CPU", "t1", "MatMul", 0.0, 2.0),
+          profile.TraceEvent("/host:CPU", "t2", "MatMul", 1.0, 3.0),
+          profile.TraceEvent("/host:CPU", "t1", "AddV2", 5.0, 0.5),
+          profile.TraceEvent("/device:GPU:0", "s", "MatMul", 0.0, 9.0)]
+    assert profile.summarize_trace(ev) == [("MatMul", 2, 5.0), ("AddV2", 1, 0.5)]
+    assert profile.summarize_trace(ev, top=1) == [("MatMul", 2, 5.0)]
+    assert profile.summarize_trace(ev, plane="/device:GPU:0") == [("MatMul", 1, 9.0)]
+    assert profile.format_summary([("MatMul", 2, 5.0)]).splitlines() == [
+        "name    count  total ms", "MatMul      2     5.000"]
+    with pytest.raises(ValueError, match="top must be"):
+        profile.summarize_trace(ev, top=0)
+
+
+LINES = [
+    "I0000 00:00:1795446115.628510   10730 placer.cc:162] Sin: (Sin): /job:localhost/...",
+    "W0000 00:00:1795446115.628510   10730 x.cc:1] a warning",
+    "E0000 00:00:1795446115.458872   10730 cuda_platform.cc:52] failed call to cuInit: ...",
+    "Sin: (Sin): /job:localhost/replica:0/task:0/device:CPU:0",
+]
+
+
+def test_log_severity_and_levels_match_a_hand_written_table():
+    assert [profile.log_severity(ln) for ln in LINES] == ["INFO", "WARNING", "ERROR", None]
+    assert [len(profile.visible_at_level(LINES, lv)) for lv in range(4)] == [4, 3, 2, 1]
+    assert profile.visible_at_level(LINES, 3) == [LINES[3]]
+    with pytest.raises(ValueError, match="level must be one of 0, 1, 2, 3"):
+        profile.visible_at_level(LINES, 4)
+
+
+CHILD = """import os
+os.dup2(1, 2)
+import tensorflow as tf
+tf.debugging.set_log_device_placement(True)
+tf.function(lambda v: tf.sin(v) * 2.0)(tf.constant([1.0, 2.0]))"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", [1, 3])
+def test_tf_cpp_min_log_level_hides_what_visible_at_level_predicts(level):
+    def run(lv):
+        out = procs.run_python(CHILD, env={"TF_CPP_MIN_LOG_LEVEL": str(lv)},
+                               quiet_tensorflow=False)
+        return sorted({(str(profile.log_severity(ln)), ln.split("] ", 1)[-1])
+                       for ln in out.splitlines()
+                       if "(Sin)" in ln or "Executing op" in ln or "cuInit" in ln})
+
+    everything = run(0)
+    assert any(sev == "INFO" and msg.startswith("Executing op") for sev, msg in everything)
+    hidden = ("INFO", "WARNING", "ERROR")[:level]
+    assert run(level) == [(s, m) for s, m in everything if s not in hidden]
