@@ -44,6 +44,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                         "sent vs the formula (chapter 09)"),
     "towers": ("accel.course.scaling:bench_towers",
                "step time of hand-written towers vs MirroredStrategy vs one device (chapter 06)"),
+    "input": ("accel.course.input_pipeline:bench_input",
+              "a slow map: step time plain / prefetch / parallel map / cache vs compute alone "
+              "(chapter 06)"),
 }
 
 # file name in images/ -> "module:function" returning a Figure
@@ -54,7 +57,6 @@ FIGURES: dict[str, str] = {
     "03_kernels.png": "accel.course.diagrams:figure_kernels",
     "04_memory.png": "accel.course.memory:figure_memory",
     "05_staleness.png": "accel.course.sync_async:figure_staleness",
-    "06_scaling.png": "accel.course.scaling:figure_scaling",
     "08_schedules.png": "accel.course.pipeline:figure_schedules",
     "09_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",
     "09_tp_cost.png": "accel.course.tensor_parallel:figure_tp_cost",
