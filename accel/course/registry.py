@@ -48,6 +48,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
              "step vs the formulas (chapter 12)"),
     "towers": ("accel.course.scaling:bench_towers",
                "step time of hand-written towers vs MirroredStrategy vs one device (chapter 06)"),
+    "input": ("accel.course.input_pipeline:bench_input",
+              "a slow map: step time plain / prefetch / parallel map / cache vs compute alone "
+              "(chapter 06)"),
 }
 
 # file name in images/ -> "module:function" returning a Figure
@@ -55,7 +58,6 @@ FIGURES: dict[str, str] = {
     "01_devices.png": "accel.course.diagrams:figure_devices",
     "02_placement.png": "accel.course.diagrams:figure_placement",
     "03_kernels.png": "accel.course.diagrams:figure_kernels",
-    "06_scaling.png": "accel.course.scaling:figure_scaling",
     "08_schedules.png": "accel.course.pipeline:figure_schedules",
     "09_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",
     "09_tp_cost.png": "accel.course.tensor_parallel:figure_tp_cost",

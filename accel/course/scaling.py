@@ -6,8 +6,10 @@ one device), and the batch-size side (the linear scaling rule tried on a toy pro
   MirroredStrategy, measured in one run (interleaved, medians);
 * ``format_scaling(results)``: that as a table of step times and ratios;
 * ``bench_towers()``: the ``python -m accel bench towers`` report (ratios for 2 and 4 devices);
-* ``figure_scaling(results)``: the plot of ``measure_scaling`` (``images/06_scaling.png``);
-* ``final_loss``: the loss a batch size and learning rate reach (the linear scaling rule tried).
+* ``figure_scaling(results)``: the plot of ``measure_scaling`` (the chapter saves it as the
+  measured ``images/06_scaling.png``);
+* ``final_loss``: the loss a batch size and learning rate reach (the linear scaling rule tried);
+* ``check_update_scale``, ``check_compute_for_80``, ``check_parallel_calls``: the exercises.
 
 The cost model of a step on real accelerators is ``accel.costmodel.steps``.
 """
@@ -20,12 +22,14 @@ import numpy as np
 import tensorflow as tf
 
 from accel import checks, data, devices, models, timing
+from accel.costmodel.steps import data_parallel_step_time
 from accel.parallel.data import make_single_step, make_tower_step, split_batch
 from accel.parallel.mirrored import make_mirrored_step, mirrored_strategy
 from accel.training import squared_error
 
 __all__ = ["BENCH_SIZES", "timed_steps", "measure_scaling", "format_scaling", "bench_towers",
-           "figure_scaling", "final_loss"]
+           "figure_scaling", "final_loss", "check_update_scale", "check_compute_for_80",
+           "check_parallel_calls"]
 
 BENCH_SIZES = (128, 512, 512, 16)  # MLP layer widths used for timing
 VARIANTS = ("single", "towers", "mirrored")
@@ -181,3 +185,41 @@ def final_loss(batch_size: int, lr: float, epochs: int = 2, n: int = 1024,
             step(x[i:i + batch_size], y[i:i + batch_size])
     pred = models.mlp_apply(step.variables, x)
     return float(tf.reduce_mean(squared_error(y, pred)))
+
+
+def check_update_scale(answer) -> str:
+    """Exercise 1: 3 replicas, global batch 96, SGD at 0.05; each replica divides its summed
+    per-example losses by its own 32 examples. The learning rate plain SGD effectively uses."""
+    if answer is None:
+        return "not yet: set answer1 to a learning rate"
+    right = 0.05 * 96 / 32
+    if isinstance(answer, (int, float)) and abs(answer - right) < 1e-9:
+        return "right: the replicas' gradients are summed, each 96 / 32 = 3 times too large"
+    return f"not quite: {answer!r} (the strategy sums the replicas' gradients)"
+
+
+def check_compute_for_80(answer) -> str:
+    """Exercise 2: the per-GPU compute time (ms) below which the cost model gives 8 GPUs on a
+    10 GB/s ring less than 80% efficiency for 102.4 MB of gradients (within 2 ms)."""
+    if answer is None:
+        return "not yet: set answer2 to a compute time in ms"
+    grid = np.arange(1, 501) * 1e-3
+    eff = [c / data_parallel_step_time(8, c, 25.6e6 * 4, 10e9) for c in grid]
+    right = 1e3 * float(grid[int(np.argmax(np.array(eff) >= 0.8))])
+    if isinstance(answer, (int, float)) and abs(answer - right) <= 2:
+        return f"right: about {right:.0f} ms (exchange time x 4: 80% means compute = 4 x exchange)"
+    return f"not quite: at {answer!r} ms the model is {'above' if answer > right else 'below'} 80%"
+
+
+def check_parallel_calls(answer) -> str:
+    """Exercise 3: a step computes in 30 ms, the map takes 80 ms per batch; with prefetch and
+    ``num_parallel_calls=k`` a batch is ready every 80 / k ms. The smallest k making the step
+    compute-bound."""
+    if answer is None:
+        return "not yet: set answer3 to a number of parallel calls"
+    right = next(k for k in range(1, 100) if 80 / k <= 30)
+    if answer == right:
+        return f"right: {right} calls give a batch every {80 / right:.1f} ms <= 30 ms of compute"
+    if not isinstance(answer, int) or answer < 1:
+        return f"not quite: give a whole number >= 1, got {answer!r}"
+    return f"not quite: with {answer} calls a batch is ready every {80 / answer:.1f} ms"

@@ -7,6 +7,8 @@
   records and their analysis;
 - ``accel.parallel.data`` (06): data parallelism by hand, the towers recipe;
 - ``accel.parallel.mirrored`` (06): the same training with ``MirroredStrategy``;
+- ``accel.parallel.strategies`` (06, 11): default / one-device / mirrored / central-storage
+  strategies by name (with their ``cross_device_ops``) and one custom loop that runs under each;
 - ``accel.parallel.inputs`` (06): TFRecord files read back through ``tf.data``, split per tower;
 - ``accel.parallel.partition`` (07, 08): cutting a layer sequence into parts (pure functions);
 - ``accel.parallel.layers`` (07, 08): a model as a list of layers, checked to chain;
