@@ -11,7 +11,8 @@ from accel.collectives.ring import chunk_sizes, ring_sends
 from accel.collectives.tree import tree_children
 from accel.placement import placement_of, short_device
 
-__all__ = ["check_sizes", "all_reduce_bytes", "all_reduce_bytes_per_device", "all_gather_bytes", "reduce_scatter_bytes",
+__all__ = ["check_sizes", "all_reduce_bytes", "all_reduce_bytes_per_device", "all_gather_bytes",
+           "reduce_scatter_bytes",
            "all_to_all_bytes", "sent_bytes"]
 
 

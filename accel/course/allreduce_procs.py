@@ -50,14 +50,11 @@ def worker(sizes: Sequence[int], repeat: int) -> dict:
     seconds of both all-reduces per size (the hand ring's only on worker 0)."""
     import tensorflow as tf
 
-    from accel import collectives
-
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.RING)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     rank = strategy.cluster_resolver.task_id
     n = strategy.num_replicas_in_sync
-    devs = [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(n)]
 
     here = strategy.extended.worker_devices[0]
 

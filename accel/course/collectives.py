@@ -25,7 +25,7 @@ from accel.costmodel.hardware import link_bandwidth
 
 __all__ = ["TF_IMPLEMENTATIONS", "tf_all_reduce", "placed", "inprocess_times",
            "bytes_table", "packing_times", "fp16_training", "process_lines", "bench",
-           "LINK_CASES", "figure_alpha_beta"]
+           "LINK_CASES", "figure_alpha_beta", "figure_loopback", "check_exercise"]
 
 TF_IMPLEMENTATIONS = ("ReductionToOneDevice", "HierarchicalCopyAllReduce", "collective")
 _STRATEGIES: dict = {}
@@ -251,5 +251,49 @@ def figure_alpha_beta(n: int = 8):
         ax.set_xlabel("bytes per device")
     axes[0].set_ylabel("modelled seconds")
     axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def check_exercise(number: int, answer) -> str:
+    """Exercise 1: bytes each device sends in a ring all-reduce of 1 MiB over 8 devices.
+    Exercise 2: the message size (bytes, rounded down) where ring and tree cost the same on 8
+    devices with alpha = 10 us and 10 GB/s. Exercise 3: the fewest parameter servers that keep
+    16 workers' exchange within 2x of one worker's own link time (``sharded_ps_time``)."""
+    if number not in (1, 2, 3):
+        raise ValueError(f"number must be 1, 2 or 3, got {number!r}")
+    if answer is None:
+        return f"exercise {number}: not yet (set answer_{number})"
+    if number == 1:
+        right = collectives.all_reduce_bytes(1 << 20, 8, "ring")
+    elif number == 2:
+        right = int(cost.crossover_bytes("tree", "ring", 8, 10e-6, 10e9))
+    else:
+        one = cost.sharded_ps_time(1e8, 1, 1, 0.0, 1e9)
+        right = min(k for k in range(1, 17) if cost.sharded_ps_time(1e8, 16, k, 0.0, 1e9)
+                    <= 2 * one)
+    if answer == right:
+        return f"exercise {number}: right ({right})"
+    return f"exercise {number}: not quite ({answer!r} is {'too high' if answer > right else 'too low'})"
+
+
+def figure_loopback(result: dict):
+    """Measured algorithm bandwidth per size of both all-reduces across processes, with the
+    alpha-beta line fitted to each (a figure of a MEASUREMENT: saved by the notebook)."""
+    import matplotlib.pyplot as plt
+
+    sizes = np.array(result["sizes"], dtype=float)
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for name, color in (("hand", "C0"), ("tf_ring", "C1")):
+        t = np.array(result[name])
+        a, bw = cost.fit_alpha_beta(sizes, t)
+        ax.semilogx(sizes, sizes / t / 1e6, "o", color=color, label=f"{name} measured")
+        grid = np.logspace(np.log10(sizes[0]), np.log10(sizes[-1]), 50)
+        ax.semilogx(grid, grid / (a + grid / bw) / 1e6, "--", color=color,
+                    label=f"{name} fit: {a * 1e3:.1f} ms + S / {bw / 1e6:.0f} MB/s")
+    ax.set_xlabel("bytes per process")
+    ax.set_ylabel("algorithm bandwidth (MB/s)")
+    ax.set_title(f"all-reduce over {result['workers']} processes on loopback")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
