@@ -16,6 +16,7 @@ costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, 
              accel.costmodel.model_parallel    naive model parallelism on GPUs: step, idle (07)
              accel.costmodel.pipeline (08)     pipeline step, bubble, transformer activations
              accel.costmodel.tensor_parallel   when tensor parallelism pays; Megatron's scaling (09)
+             accel.costmodel.collectives (11)  alpha-beta all-reduce model, bus bandwidth, fits
 part I       accel.devices (01)                device names, physical vs logical devices, setup()
              accel.kernels (03)                the kernel registry: op x device type x dtype
              accel.placement (02, 03)          where ops ran (placement_of), device functions,
@@ -29,6 +30,10 @@ collectives  accel.collectives.base (09-12)   checks, one value per device, coll
                                                all-to-all by hand, exact placed gradients
              accel.collectives.counting       bytes per device: formulas, and counted from
                                                the graph that ran (sent_bytes)
+             accel.collectives.one_device (11) reduce, broadcast, all-reduce through one device
+             accel.collectives.ring (11)      the ring all-reduce, its schedule as data
+             accel.collectives.tree (11)      the tree all-reduce
+             accel.collectives.packing (11)   buckets of small gradients, float16 compression
 part III     accel.parallel.staleness (05)     the server's decision rules, records, staleness
              accel.parallel.parameter_server   parameter server + worker threads (05)
              accel.parallel.data (06)          data parallelism by hand: the towers recipe
@@ -54,7 +59,7 @@ part IV      accel.distributed.cluster (10)    cluster specs, TF_CONFIG, LocalCl
              accel.distributed.tf2_runs (10)   ParameterServerStrategy + ClusterCoordinator and
                                                MultiWorkerMirroredStrategy as processes
 course       accel.course.registry             benchmarks (python -m accel bench) and figures
-             accel.course.* (01-10)           each chapter's experiments, figures and toy set-ups;
+             accel.course.* (01-11)           each chapter's experiments, figures and toy set-ups;
                                                the only code that calls accel.devices.setup()
 
 Importing ``accel`` sets two environment variables (unless you set them) *before* TensorFlow is

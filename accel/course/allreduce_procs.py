@@ -25,11 +25,14 @@ import statistics
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
+from accel.costmodel import collectives as cost
 from accel.distributed.cluster import LocalCluster, make_cluster, tf_config
 from accel.procs import ChildFailed, run_python, start_python
 
 __all__ = ["KIB", "MIB", "SIZES", "worker", "client", "tf_ring_sweep", "hand_sweep", "sweep",
-           "main"]
+           "process_lines", "figure_loopback", "main"]
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB)
@@ -133,6 +136,60 @@ def tf_ring_sweep(workers: int = 2, sizes: Sequence[int] = SIZES, repeat: int = 
     finally:
         for c in children:
             c.stop(grace=1.0)
+
+
+def _fmt_size(nbytes: int) -> str:
+    return f"{nbytes // (1 << 20)} MiB" if nbytes >= 1 << 20 else f"{nbytes // 1024} KiB"
+
+
+def process_lines(result: dict) -> tuple[list[str], dict]:
+    """Table lines (time, algorithm and bus bandwidth, hand / TF ratio per size) for a
+    ``allreduce_procs.sweep`` result, and the ratios by size."""
+    n = result["workers"]
+    lines = [f"{n} processes on loopback: size, hand ring vs TF RING collective "
+             "(median ms; algbw, busbw in MB/s; ratio hand / TF)"]
+    ratios = {}
+    for s, th, tt in zip(result["sizes"], result["hand"], result["tf_ring"], strict=True):
+        ratios[s] = th / tt
+        lines.append(f"{_fmt_size(s):>7}  hand {th * 1e3:8.2f} ms {s / th / 1e6:8.1f} "
+                     f"{cost.bus_bandwidth(s, th, n) / 1e6:8.1f}   TF {tt * 1e3:8.2f} ms "
+                     f"{s / tt / 1e6:8.1f} {cost.bus_bandwidth(s, tt, n) / 1e6:8.1f}   "
+                     f"{ratios[s]:.2f}x")
+    for name in ("hand", "tf_ring"):
+        try:
+            a, bw = cost.fit_alpha_beta(result["sizes"], result[name])
+        except ValueError:
+            lines.append(f"alpha-beta fit ({name}): none (time did not grow with size)")
+            continue
+        lines.append(f"alpha-beta fit ({name}): {a * 1e3:.2f} ms per call + size / "
+                     f"{bw / 1e6:.0f} MB/s")
+    return lines, ratios
+
+
+
+def figure_loopback(result: dict):
+    """Measured algorithm bandwidth per size of both all-reduces across processes, with the
+    alpha-beta line fitted to each (a figure of a MEASUREMENT: saved by the notebook)."""
+    import matplotlib.pyplot as plt
+
+    sizes = np.array(result["sizes"], dtype=float)
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for name, color in (("hand", "C0"), ("tf_ring", "C1")):
+        t = np.array(result[name])
+        ax.semilogx(sizes, sizes / t / 1e6, "o", color=color, label=f"{name} measured")
+        try:
+            a, bw = cost.fit_alpha_beta(sizes, t)
+        except ValueError:
+            continue
+        grid = np.logspace(np.log10(sizes[0]), np.log10(sizes[-1]), 50)
+        ax.semilogx(grid, grid / (a + grid / bw) / 1e6, "--", color=color,
+                    label=f"{name} fit: {a * 1e3:.1f} ms + S / {bw / 1e6:.0f} MB/s")
+    ax.set_xlabel("bytes per process")
+    ax.set_ylabel("algorithm bandwidth (MB/s)")
+    ax.set_title(f"all-reduce over {result['workers']} processes on loopback")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,8 +24,8 @@ from accel.costmodel import collectives as cost
 from accel.costmodel.hardware import link_bandwidth
 
 __all__ = ["TF_IMPLEMENTATIONS", "tf_all_reduce", "placed", "inprocess_times",
-           "bytes_table", "packing_times", "fp16_training", "process_lines", "bench",
-           "LINK_CASES", "figure_alpha_beta", "figure_loopback", "check_exercise"]
+           "bytes_table", "packing_times", "fp16_training", "bench",
+           "LINK_CASES", "figure_alpha_beta", "check_exercise"]
 
 TF_IMPLEMENTATIONS = ("ReductionToOneDevice", "HierarchicalCopyAllReduce", "collective")
 _STRATEGIES: dict = {}
@@ -150,30 +150,6 @@ def fp16_training(device_names: Sequence[str], steps: int = 30, lr: float = 0.1,
     return out
 
 
-def _fmt_size(nbytes: int) -> str:
-    return f"{nbytes // (1 << 20)} MiB" if nbytes >= 1 << 20 else f"{nbytes // 1024} KiB"
-
-
-def process_lines(result: dict) -> tuple[list[str], dict]:
-    """Table lines (time, algorithm and bus bandwidth, hand / TF ratio per size) for a
-    ``allreduce_procs.sweep`` result, and the ratios by size."""
-    n = result["workers"]
-    lines = [f"{n} processes on loopback: size, hand ring vs TF RING collective "
-             "(median ms; algbw, busbw in MB/s; ratio hand / TF)"]
-    ratios = {}
-    for s, th, tt in zip(result["sizes"], result["hand"], result["tf_ring"], strict=True):
-        ratios[s] = th / tt
-        lines.append(f"{_fmt_size(s):>7}  hand {th * 1e3:8.2f} ms {s / th / 1e6:8.1f} "
-                     f"{cost.bus_bandwidth(s, th, n) / 1e6:8.1f}   TF {tt * 1e3:8.2f} ms "
-                     f"{s / tt / 1e6:8.1f} {cost.bus_bandwidth(s, tt, n) / 1e6:8.1f}   "
-                     f"{ratios[s]:.2f}x")
-    for name in ("hand", "tf_ring"):
-        a, bw = cost.fit_alpha_beta(result["sizes"], result[name])
-        lines.append(f"alpha-beta fit ({name}): {a * 1e3:.2f} ms per call + size / "
-                     f"{bw / 1e6:.0f} MB/s")
-    return lines, ratios
-
-
 def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     """Across processes: hand ring vs TF's RING collective (goal within 1.1x at every size
     >= 1 MiB); in one process: every algorithm vs TF's; packed vs unpacked; float16 vs
@@ -217,7 +193,7 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     else:
         worst = 0.0
         for workers in (2, 4):
-            procs_lines, ratios = process_lines(allreduce_procs.sweep(workers))
+            procs_lines, ratios = allreduce_procs.process_lines(allreduce_procs.sweep(workers))
             lines += procs_lines
             out.update({f"procs{workers} {s} hand/tf": r for s, r in ratios.items()})
             worst = max([worst] + [r for s, r in ratios.items() if s >= 1 << 20])
@@ -274,26 +250,5 @@ def check_exercise(number: int, answer) -> str:
                     <= 2 * one)
     if answer == right:
         return f"exercise {number}: right ({right})"
-    return f"exercise {number}: not quite ({answer!r} is {'too high' if answer > right else 'too low'})"
-
-
-def figure_loopback(result: dict):
-    """Measured algorithm bandwidth per size of both all-reduces across processes, with the
-    alpha-beta line fitted to each (a figure of a MEASUREMENT: saved by the notebook)."""
-    import matplotlib.pyplot as plt
-
-    sizes = np.array(result["sizes"], dtype=float)
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    for name, color in (("hand", "C0"), ("tf_ring", "C1")):
-        t = np.array(result[name])
-        a, bw = cost.fit_alpha_beta(sizes, t)
-        ax.semilogx(sizes, sizes / t / 1e6, "o", color=color, label=f"{name} measured")
-        grid = np.logspace(np.log10(sizes[0]), np.log10(sizes[-1]), 50)
-        ax.semilogx(grid, grid / (a + grid / bw) / 1e6, "--", color=color,
-                    label=f"{name} fit: {a * 1e3:.1f} ms + S / {bw / 1e6:.0f} MB/s")
-    ax.set_xlabel("bytes per process")
-    ax.set_ylabel("algorithm bandwidth (MB/s)")
-    ax.set_title(f"all-reduce over {result['workers']} processes on loopback")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    side = "too high" if answer > right else "too low"
+    return f"exercise {number}: not quite ({answer!r} is {side})"
