@@ -16,6 +16,7 @@ costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, 
              accel.costmodel.model_parallel    naive model parallelism on GPUs: step, idle (07)
              accel.costmodel.pipeline (08)     pipeline step, bubble, transformer activations
              accel.costmodel.tensor_parallel   when tensor parallelism pays; Megatron's scaling (09)
+             accel.costmodel.collectives (11)  alpha-beta all-reduce model, bus bandwidth, fits
              accel.costmodel.zero (12)         ZeRO bytes held and sent per device; offload verdict
              accel.costmodel.planner (12)      memory per GPU and step time of a d x t x p plan
              accel.costmodel.plans (12)        every plan enumerated, the ones that fit ranked
@@ -35,6 +36,10 @@ collectives  accel.collectives.base (09-12)   checks, one value per device, coll
                                                all-to-all by hand, exact placed gradients
              accel.collectives.counting       bytes per device: formulas, and counted from
                                                the graph that ran (sent_bytes)
+             accel.collectives.one_device (11) reduce, broadcast, all-reduce through one device
+             accel.collectives.ring (11)      the ring all-reduce, its schedule as data
+             accel.collectives.tree (11)      the tree all-reduce
+             accel.collectives.packing (11)   buckets of small gradients, float16 compression
 part III     accel.parallel.staleness (05)     the server's decision rules, records, staleness
              accel.parallel.parameter_server   parameter server + worker threads (05)
              accel.parallel.hogwild (05)       lock-free workers; lost updates counted

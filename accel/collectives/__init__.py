@@ -14,14 +14,20 @@ differentiable with the exact gradient of what they compute:
 * ``all_to_all``: device ``j`` gets part ``j`` of every device's tensor, concatenated. Its
   gradient is an all-to-all back.
 
-Algorithm: ``"direct"`` (each device sends what the others need straight to them; they add or
-concatenate locally, all in the same order, so every device ends with bitwise the same values).
+``all_reduce`` has four algorithms (``ALGORITHMS``): ``"direct"`` (each device sends what the
+others need straight to them; they add locally, all in the same order), ``"one_device"`` (the
+parameter-server pattern: ``reduce`` onto one device, then ``broadcast``), ``"ring"``
+(reduce-scatter then all-gather around a ring, ``n - 1`` steps each, the tensor in ``n``
+chunks of any size) and ``"tree"`` (up and down a binary tree). Every device ends with bitwise
+the same values. ``reduce`` and ``broadcast`` are collectives of their own.
 ``*_bytes`` give what each device sends, and ``sent_bytes(fn, *args)`` counts it in the graph
 that ran (the ``_Send`` nodes of its partition graphs), so the two can be checked against each
-other. Chapter 11 adds the other algorithms (through one device, ring, tree) under the same names.
+other.
 
-Modules: ``base`` (checks, ``place``, ``collective_op``, ``on_device``), ``direct`` (the
-algorithm above), ``counting`` (bytes: formulas and ``sent_bytes``).
+Modules: ``base`` (checks, ``place``, ``collective_op``, ``on_device``), ``direct`` (the direct
+algorithm and the ``all_reduce`` dispatcher), ``one_device`` (``reduce``, ``broadcast``),
+``ring`` (chunk sizes, the ring's schedule as data), ``tree``, ``counting`` (bytes: formulas and
+``sent_bytes``), ``packing`` (buckets of small gradients, float16 compression).
 """
 
 from accel.collectives.base import (
@@ -35,6 +41,7 @@ from accel.collectives.base import (
 from accel.collectives.counting import (
     all_gather_bytes,
     all_reduce_bytes,
+    all_reduce_bytes_per_device,
     all_to_all_bytes,
     check_sizes,
     reduce_scatter_bytes,
@@ -42,14 +49,22 @@ from accel.collectives.counting import (
 )
 from accel.collectives.direct import (
     ALGORITHMS,
+    REDUCTIONS,
     all_gather,
     all_reduce,
     all_to_all,
     check_algorithm,
     reduce_scatter,
 )
+from accel.collectives.one_device import broadcast, reduce
+from accel.collectives.packing import compressed_all_reduce, pack_buckets, packed_all_reduce
+from accel.collectives.ring import chunk_sizes, ring_sends
+from accel.collectives.tree import tree_children
 
 __all__ = ["ALGORITHMS", "check_devices", "check_tensors", "check_axis", "check_algorithm",
            "check_sizes", "place", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
            "collective_op", "on_device", "all_reduce_bytes", "all_gather_bytes",
-           "reduce_scatter_bytes", "all_to_all_bytes", "sent_bytes"]
+           "reduce_scatter_bytes", "all_to_all_bytes", "sent_bytes", "REDUCTIONS", "reduce",
+           "broadcast", "chunk_sizes", "ring_sends", "tree_children",
+           "all_reduce_bytes_per_device", "pack_buckets", "packed_all_reduce",
+           "compressed_all_reduce"]

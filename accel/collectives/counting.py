@@ -7,9 +7,12 @@ import numpy as np
 import tensorflow as tf
 
 from accel.collectives.direct import check_algorithm
+from accel.collectives.ring import chunk_sizes, ring_sends
+from accel.collectives.tree import tree_children
 from accel.placement import placement_of, short_device
 
-__all__ = ["check_sizes", "all_reduce_bytes", "all_gather_bytes", "reduce_scatter_bytes",
+__all__ = ["check_sizes", "all_reduce_bytes", "all_reduce_bytes_per_device", "all_gather_bytes",
+           "reduce_scatter_bytes",
            "all_to_all_bytes", "sent_bytes"]
 
 
@@ -23,11 +26,43 @@ def check_sizes(nbytes: int, n: int) -> tuple[int, int]:
 
 
 def all_reduce_bytes(nbytes: int, n: int, algorithm: str = "direct") -> int:
-    """Bytes each device sends in ``all_reduce`` of ``nbytes``-byte tensors on ``n`` devices:
-    ``direct``: its whole tensor to each of the others, ``(n - 1) * nbytes``."""
+    """Bytes each device sends in ``all_reduce`` of ``nbytes``-byte tensors on ``n`` devices
+    (the most any device sends, for ``one_device`` and ``tree``):
+
+    * ``direct``: its whole tensor to each of the others, ``(n - 1) * nbytes``;
+    * ``ring``: ``2 (n - 1)`` chunks of ``nbytes / n``, i.e. ``2 (n - 1) / n * nbytes``
+      (``nbytes`` must split into ``n`` equal chunks; else see ``all_reduce_bytes_per_device``);
+    * ``one_device``: the root sends the sum to each of the others, ``(n - 1) * nbytes`` (and
+      receives as much); every other device sends ``nbytes``;
+    * ``tree``: a device with two children sends ``3 * nbytes`` (one up, two down)."""
     check_algorithm(algorithm)
     nbytes, n = check_sizes(nbytes, n)
-    return (n - 1) * nbytes
+    if algorithm == "ring":
+        return reduce_scatter_bytes(nbytes, n) * 2
+    return max(all_reduce_bytes_per_device(nbytes, n, algorithm))
+
+
+def all_reduce_bytes_per_device(nbytes: int, n: int, algorithm: str = "direct",
+                                itemsize: int = 1) -> list[int]:
+    """Bytes device ``i`` sends in ``all_reduce`` of ``nbytes``-byte tensors whose elements are
+    ``itemsize`` bytes, for any size (the ring's chunks may differ by one element)."""
+    check_algorithm(algorithm)
+    nbytes, n = check_sizes(nbytes, n)
+    if not isinstance(itemsize, int) or itemsize < 1 or nbytes % itemsize:
+        raise ValueError(f"itemsize must be an int >= 1 dividing nbytes={nbytes}, got "
+                         f"{itemsize!r}")
+    if algorithm == "direct":
+        return [(n - 1) * nbytes] * n
+    if algorithm == "one_device":
+        return [(n - 1) * nbytes] + [nbytes] * (n - 1)
+    if algorithm == "tree":
+        return [(len(tree_children(i, n)) + (i > 0)) * nbytes for i in range(n)]
+    chunks = [c * itemsize for c in chunk_sizes(nbytes // itemsize, n)]
+    sent = [0] * n
+    for step in ring_sends(n):
+        for src, _, c in step:
+            sent[src] += chunks[c]
+    return sent
 
 
 def all_gather_bytes(nbytes: int, n: int) -> int:

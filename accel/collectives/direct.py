@@ -9,11 +9,15 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from accel.collectives.base import check_axis, check_tensors, collective_op
+from accel.collectives.one_device import one_device_sum
+from accel.collectives.ring import ring_sum
+from accel.collectives.tree import tree_sum
 
-__all__ = ["ALGORITHMS", "check_algorithm", "all_reduce", "all_gather", "reduce_scatter",
-           "all_to_all"]
+__all__ = ["ALGORITHMS", "REDUCTIONS", "check_algorithm", "all_reduce", "all_gather",
+           "reduce_scatter", "all_to_all"]
 
-ALGORITHMS = ("direct",)
+ALGORITHMS = ("direct", "one_device", "ring", "tree")
+REDUCTIONS = ("sum", "mean")
 
 
 def check_algorithm(algorithm: str) -> None:
@@ -51,14 +55,33 @@ def _scatter_sum(tensors, devices, axis):
     return out
 
 
-def all_reduce(tensors: Sequence, devices: Sequence[str], algorithm: str = "direct") -> list:
-    """Every device gets the sum of ``tensors`` (same shapes); the gradient is an all-reduce."""
+_FORWARD = {"direct": _sum_on_each, "one_device": one_device_sum, "ring": ring_sum,
+            "tree": tree_sum}
+
+
+def all_reduce(tensors: Sequence, devices: Sequence[str], algorithm: str = "direct",
+               op: str = "sum") -> list:
+    """Every device gets the sum (``op="mean"``: the mean) of ``tensors`` (same shapes), by
+    ``algorithm``: ``"direct"`` (everyone sends to everyone), ``"one_device"`` (reduce on
+    ``devices[0]``, then broadcast: the parameter-server pattern), ``"ring"`` (reduce-scatter +
+    all-gather around a ring) or ``"tree"`` (up and down a binary tree). Every device ends with
+    bitwise the same values; the gradient is an all-reduce by the same algorithm."""
     tensors = check_tensors(tensors, devices)
     devices = list(devices)
     check_algorithm(algorithm)
-    return collective_op("AllReduce", tensors, devices,
-                         lambda xs: _sum_on_each(xs, devices),
-                         lambda dys: all_reduce(dys, devices, algorithm))
+    if op not in REDUCTIONS:
+        raise ValueError(f"op (the reduction) must be one of {list(REDUCTIONS)}, got {op!r}")
+    forward = _FORWARD[algorithm]
+    out = collective_op("AllReduce", tensors, devices,
+                        lambda xs: forward(xs, devices),
+                        lambda dys: all_reduce(dys, devices, algorithm))
+    if op == "sum":
+        return out
+    scaled = []
+    for y, d in zip(out, devices, strict=True):
+        with tf.device(d):
+            scaled.append(y / len(devices))
+    return scaled
 
 
 def all_gather(tensors: Sequence, devices: Sequence[str], axis: int = 0) -> list:

@@ -26,6 +26,9 @@ BENCH_DEVICES = 4
 
 # name -> ("module:function", one-line description)
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "allreduce": ("accel.course.collectives:bench",
+                  "hand ring vs TF's RING across processes; ring vs one device vs TF in one "
+                  "process; packed; float16; bytes vs formulas (chapter 11)"),
     "cluster": ("accel.course.clusters:bench",
                 "start-up of 1 ps + 2 workers; the four replication combinations (chapter 10)"),
     "copy-cost": ("accel.course.copy_cost:bench",
@@ -61,6 +64,7 @@ FIGURES: dict[str, str] = {
     "08_schedules.png": "accel.course.pipeline:figure_schedules",
     "09_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",
     "09_tp_cost.png": "accel.course.tensor_parallel:figure_tp_cost",
+    "11_alpha_beta.png": "accel.course.collectives:figure_alpha_beta",
     "12_planner_terms.png": "accel.course.planner:figure_terms",
     "12_zero_memory.png": "accel.course.zero:figure_zero_memory",
 }

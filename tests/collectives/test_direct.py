@@ -127,3 +127,42 @@ def test_all_to_all_matches_numpy_and_its_gradient_is_the_reverse_exchange(four_
     assert sent == {d: collectives.all_to_all_bytes(nbytes, n) for d in devs}
     with pytest.raises(ValueError, match="size 3, not divisible by the 2 devices"):
         collectives.all_to_all([tf.ones((2, 3)), tf.ones((2, 3))], devs[:2], split_axis=1)
+
+
+@pytest.mark.parametrize("algorithm", ["direct", "one_device", "ring", "tree"])
+def test_every_algorithm_equals_tensorflows_cross_device_ops(four_devices, algorithm):
+    """TensorFlow's own all-reduces (the cross-device ops of a MirroredStrategy over the four
+    devices, on PerReplica values) give the same sums as the hand-written ones."""
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal((5, 3)) for _ in four_devices]
+    ours = collectives.all_reduce(collectives.place(arrays, four_devices), four_devices,
+                                  algorithm)
+    for ops in (tf.distribute.ReductionToOneDevice(),
+                tf.distribute.HierarchicalCopyAllReduce(num_packs=1), None):
+        strategy = tf.distribute.MirroredStrategy(four_devices, cross_device_ops=ops)
+        values = strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.constant(arrays[ctx.replica_id_in_sync_group]))
+        reduced = strategy.extended.reduce_to(tf.distribute.ReduceOp.SUM, values,
+                                              destinations=values)
+        theirs = strategy.experimental_local_results(reduced)
+        for a, b in zip(ours, theirs, strict=True):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12)
+
+
+def test_bad_reduction_and_mean(four_devices):
+    devs = four_devices[:2]
+    with pytest.raises(ValueError, match=r"op \(the reduction\) must be one of \['sum', "
+                                         r"'mean'\], got 'max'"):
+        collectives.all_reduce([tf.ones(2), tf.ones(2)], devs, op="max")
+    with pytest.raises(ValueError, match=r"lists \['/device:CPU:1'\] more than once"):
+        collectives.all_reduce([tf.ones(2)] * 2, ["/cpu:1", "/device:CPU:1"], "ring")
+    with pytest.raises(ValueError, match=r"shapes differ across devices"):
+        collectives.all_reduce([tf.ones(2), tf.ones((2, 1))], devs, "tree")
+    with pytest.raises(ValueError, match="devices is empty"):
+        collectives.all_reduce([], [], "one_device")
+    with pytest.raises(ValueError, match=r"n \(the number of devices\) must be an int >= 1, "
+                                         "got 0"):
+        collectives.all_reduce_bytes(8, 0, "ring")
+    out = collectives.all_reduce([tf.constant([1.0, 3.0]), tf.constant([3.0, 5.0])], devs,
+                                 "ring", op="mean")
+    np.testing.assert_array_equal(out[1].numpy(), [2.0, 4.0])

@@ -1,0 +1,194 @@
+"""The alpha-beta (latency-bandwidth) model of an all-reduce, and what follows from it.
+
+Every message costs ``alpha`` seconds of latency plus its bytes over the link's bandwidth. An
+all-reduce of ``S`` bytes over ``n`` devices then takes ``steps * alpha + factor * S / bw``,
+where ``steps`` and ``factor`` depend only on the algorithm (``terms``):
+
+===============  =====================  ==============================================
+algorithm        steps (latency terms)  factor (bytes on the busiest link, / S)
+===============  =====================  ==============================================
+``one_device``   2                      ``2 (n - 1)``: the root receives and sends n-1 copies
+``direct``       1                      ``n - 1``: each device sends its tensor to n-1 others
+``ring``         ``2 (n - 1)``          ``2 (n - 1) / n``: 2(n-1) chunks of S/n
+``tree``         ``2 d``                ``2 d f``: d = tree depth, f = children per node (<=2)
+===============  =====================  ==============================================
+
+Few steps win for small messages (latency), the ring's small factor for big ones (bandwidth);
+``crossover_bytes`` is the size where two algorithms cost the same. The bandwidths the course
+quotes are NVIDIA's nccl-tests definitions (``doc/PERFORMANCE.md`` in github.com/NVIDIA/nccl-tests):
+*algorithm bandwidth* = ``S / time``; *bus bandwidth* = algorithm bandwidth times
+``2 (n - 1) / n`` for an all-reduce, a figure that can be compared with the link's peak whatever
+``n`` is. Everything here is a MODEL (arithmetic on figures you pass), never a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from accel import checks
+
+__all__ = ["ALGORITHMS", "terms", "allreduce_time", "crossover_bytes", "algorithm_bandwidth",
+           "bus_bandwidth", "BUS_FACTORS", "fit_alpha_beta", "sharded_ps_time",
+           "packed_time", "local_sgd_step_time", "overlapped_step_time", "SEED_2016"]
+
+ALGORITHMS = ("one_device", "direct", "ring", "tree")
+
+# collective -> bus-bandwidth factor as a function of n (nccl-tests doc/PERFORMANCE.md)
+BUS_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+
+# Seed 002's figures (notes on A. Geron, "Hands-On Machine Learning with Scikit-Learn and
+# TensorFlow", 1st ed., 2017, ch. 12, reporting Google's 2016 experience): with the hardware
+# and networks of 2016, data parallelism saturated the bandwidth beyond a few dozen GPUs for
+# dense models and a few hundred for sparse ones; sparse models that still scaled:
+SEED_2016 = {
+    "saturates (dense)": "beyond a few dozen GPUs",
+    "saturates (sparse)": "beyond a few hundred GPUs",
+    "neural machine translation": (8, 6.0),    # GPUs, speed-up
+    "Inception / ImageNet": (50, 32.0),
+    "RankBrain": (500, 300.0),
+}
+
+
+def _check_n(n: int) -> int:
+    return checks.positive_int("n", n)
+
+
+def terms(algorithm: str, n: int) -> tuple[float, float]:
+    """``(steps, factor)``: the all-reduce of ``S`` bytes on ``n`` devices costs
+    ``steps * alpha + factor * S / bandwidth``."""
+    checks.one_of("algorithm", algorithm, ALGORITHMS)
+    n = _check_n(n)
+    if n == 1:
+        return 0.0, 0.0
+    if algorithm == "one_device":
+        return 2.0, 2.0 * (n - 1)
+    if algorithm == "direct":
+        return 1.0, float(n - 1)
+    if algorithm == "ring":
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    depth = n.bit_length() - 1
+    fanout = min(2, n - 1)
+    return 2.0 * depth, 2.0 * depth * fanout
+
+
+def allreduce_time(nbytes: float, n: int, algorithm: str, latency_s: float,
+                   bandwidth_bps: float) -> float:
+    """Modelled seconds of one all-reduce of ``nbytes`` over ``n`` devices."""
+    checks.non_negative_number("nbytes", nbytes)
+    checks.non_negative_number("latency_s", latency_s)
+    checks.positive_number("bandwidth_bps", bandwidth_bps)
+    steps, factor = terms(algorithm, n)
+    return steps * latency_s + factor * nbytes / bandwidth_bps
+
+
+def crossover_bytes(a: str, b: str, n: int, latency_s: float, bandwidth_bps: float) -> float:
+    """Message size (bytes) where algorithms ``a`` and ``b`` take the same modelled time, or
+    ``math.inf`` if the lines never cross at a positive size (one is never slower)."""
+    checks.positive_number("latency_s", latency_s)
+    checks.positive_number("bandwidth_bps", bandwidth_bps)
+    sa, fa = terms(a, n)
+    sb, fb = terms(b, n)
+    if fa == fb:
+        return math.inf
+    size = (sa - sb) * latency_s * bandwidth_bps / (fb - fa)
+    return size if size > 0 else math.inf
+
+
+def algorithm_bandwidth(nbytes: float, seconds: float) -> float:
+    """nccl-tests' algorithm bandwidth: ``nbytes / seconds`` (bytes per second)."""
+    checks.non_negative_number("nbytes", nbytes)
+    return nbytes / checks.positive_number("seconds", seconds)
+
+
+def bus_bandwidth(nbytes: float, seconds: float, n: int, collective: str = "all_reduce"
+                  ) -> float:
+    """nccl-tests' bus bandwidth: algorithm bandwidth times the collective's factor
+    (``2 (n-1)/n`` for an all-reduce)."""
+    checks.one_of("collective", collective, BUS_FACTORS)
+    return algorithm_bandwidth(nbytes, seconds) * BUS_FACTORS[collective](_check_n(n))
+
+
+def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares line ``seconds = a + b * size`` through measured points: returns
+    ``(a, 1 / b)``, the fixed cost per call and the bytes per second the sizes move at."""
+    sizes, seconds = [float(s) for s in sizes], [float(t) for t in seconds]
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError(f"need at least 2 (size, time) pairs of equal length, got "
+                         f"{len(sizes)} sizes and {len(seconds)} times")
+    m = len(sizes)
+    mx, my = sum(sizes) / m, sum(seconds) / m
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    if sxx == 0:
+        raise ValueError(f"sizes must not all be equal, got {sizes}")
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds, strict=True)) / sxx
+    if slope <= 0:
+        raise ValueError(f"time does not grow with size (slope {slope:g}): cannot fit a "
+                         "bandwidth")
+    return my - slope * mx, 1.0 / slope
+
+
+def sharded_ps_time(nbytes: float, workers: int, servers: int, latency_s: float,
+                    bandwidth_bps: float) -> float:
+    """One synchronous exchange with parameter servers on their own machines (chapter 10's
+    placement): every worker sends its ``nbytes`` of gradients and fetches ``nbytes`` of
+    weights; the variables are sharded evenly over ``servers`` tasks, so each server's link
+    carries ``workers * nbytes / servers`` each way, each worker's link ``nbytes``. The busier
+    link sets the time: ``2 (alpha + max(nbytes, workers * nbytes / servers) / bw)``."""
+    checks.non_negative_number("nbytes", nbytes)
+    checks.positive_int("workers", workers)
+    checks.positive_int("servers", servers)
+    checks.non_negative_number("latency_s", latency_s)
+    checks.positive_number("bandwidth_bps", bandwidth_bps)
+    busiest = max(nbytes, workers * nbytes / servers)
+    return 2 * (latency_s + busiest / bandwidth_bps)
+
+
+def packed_time(sizes: Sequence[float], pack_bytes: float, n: int, algorithm: str,
+                latency_s: float, bandwidth_bps: float) -> float:
+    """Modelled time to all-reduce tensors of ``sizes`` bytes packed greedily, in order, into
+    buckets of at most ``pack_bytes`` (a tensor bigger than that gets its own bucket);
+    ``pack_bytes=0`` means one all-reduce per tensor."""
+    checks.non_negative_number("pack_bytes", pack_bytes)
+    buckets, current = [], 0.0
+    for s in sizes:
+        s = checks.non_negative_number("size", s)
+        if current and current + s > pack_bytes:
+            buckets.append(current)
+            current = 0.0
+        current += s
+        if pack_bytes == 0:
+            buckets.append(current)
+            current = 0.0
+    if current:
+        buckets.append(current)
+    return sum(allreduce_time(b, n, algorithm, latency_s, bandwidth_bps) for b in buckets)
+
+
+def local_sgd_step_time(compute_s: float, allreduce_s: float, every: int) -> float:
+    """Average step time when the replicas average their weights only every ``every`` steps
+    (local SGD): ``compute_s + allreduce_s / every``."""
+    checks.non_negative_number("compute_s", compute_s)
+    checks.non_negative_number("allreduce_s", allreduce_s)
+    return compute_s + allreduce_s / checks.positive_int("every", every)
+
+
+def overlapped_step_time(forward_s: float, backward_s: float, allreduce_s: float,
+                         buckets: int = 1) -> float:
+    """Step time when gradients are all-reduced in ``buckets`` equal buckets, each sent as
+    soon as the backward pass has produced it: the longer of backward and communication
+    hides the shorter one, except one bucket's worth that cannot overlap. ``buckets=1`` is no
+    overlap: ``forward + backward + allreduce``."""
+    checks.non_negative_number("forward_s", forward_s)
+    checks.non_negative_number("backward_s", backward_s)
+    checks.non_negative_number("allreduce_s", allreduce_s)
+    b = checks.positive_int("buckets", buckets)
+    if b == 1:
+        return forward_s + backward_s + allreduce_s
+    return forward_s + max(backward_s, allreduce_s) + min(backward_s, allreduce_s) / b

@@ -1,0 +1,62 @@
+"""The alpha-beta model against hand-worked numbers."""
+
+import math
+
+import numpy as np
+import pytest
+
+from accel.costmodel import collectives as cost
+
+
+def test_terms_by_hand():
+    assert cost.terms("ring", 4) == (6.0, 1.5)
+    assert cost.terms("one_device", 4) == (2.0, 6.0)
+    assert cost.terms("direct", 4) == (1.0, 3.0)
+    assert cost.terms("tree", 4) == (4.0, 8.0)   # depth 2, two children per node
+    assert cost.terms("tree", 2) == (2.0, 2.0)
+    assert cost.terms("ring", 1) == (0.0, 0.0)
+
+
+def test_times_crossover_and_bandwidths_by_hand():
+    # ring, n = 4, 1 MB at 1 GB/s, 10 us: 6 * 10 us + 1.5 * 1 ms = 1.56 ms
+    assert cost.allreduce_time(1e6, 4, "ring", 10e-6, 1e9) == pytest.approx(1.56e-3)
+    # tree (4 alpha + 8 S/bw) = ring (6 alpha + 1.5 S/bw) at S = 2 alpha bw / 6.5
+    assert cost.crossover_bytes("tree", "ring", 4, 10e-6, 1e9) == pytest.approx(2e4 / 6.5)
+    assert cost.crossover_bytes("ring", "ring", 4, 10e-6, 1e9) == math.inf
+    assert cost.algorithm_bandwidth(1e6, 1e-3) == pytest.approx(1e9)
+    assert cost.bus_bandwidth(1e6, 1e-3, 4) == pytest.approx(1.5e9)
+    assert cost.bus_bandwidth(1e6, 1e-3, 4, "all_gather") == pytest.approx(0.75e9)
+
+
+def test_fit_recovers_a_line():
+    sizes = np.array([4e3, 6.4e4, 1e6, 1.6e7])
+    a, bw = cost.fit_alpha_beta(sizes, 2e-3 + sizes / 5e8)
+    assert a == pytest.approx(2e-3) and bw == pytest.approx(5e8)
+    with pytest.raises(ValueError, match="at least 2"):
+        cost.fit_alpha_beta([1.0], [1.0])
+    with pytest.raises(ValueError, match="does not grow"):
+        cost.fit_alpha_beta([1.0, 2.0], [2.0, 1.0])
+
+
+def test_parameter_servers_packing_local_sgd_overlap_by_hand():
+    # 16 workers, 100 bytes, 1 byte/s, no latency: 1 ps carries 1600 each way
+    assert cost.sharded_ps_time(100, 16, 1, 0.0, 1.0) == 3200
+    assert cost.sharded_ps_time(100, 16, 16, 0.0, 1.0) == 200
+    assert cost.sharded_ps_time(100, 16, 32, 0.0, 1.0) == 200  # the worker's link then limits
+    # 3 tensors of 10 bytes, n = 2 ring (2 latencies + 1 x S/bw): unpacked 3 x (2 + 10),
+    # one bucket 2 + 30
+    assert cost.packed_time([10, 10, 10], 0, 2, "ring", 1.0, 1.0) == 36
+    assert cost.packed_time([10, 10, 10], 100, 2, "ring", 1.0, 1.0) == 32
+    assert cost.packed_time([10, 10, 10], 20, 2, "ring", 1.0, 1.0) == (2 + 20) + (2 + 10)
+    assert cost.local_sgd_step_time(1.0, 0.5, 4) == 1.125
+    assert cost.overlapped_step_time(1.0, 2.0, 3.0, 1) == 6.0
+    assert cost.overlapped_step_time(1.0, 2.0, 3.0, 4) == 1.0 + 3.0 + 0.5
+
+
+def test_bad_input_names_the_value():
+    with pytest.raises(ValueError, match="algorithm"):
+        cost.terms("butterfly", 4)
+    with pytest.raises(ValueError, match="n"):
+        cost.terms("ring", 0)
+    with pytest.raises(ValueError, match="collective"):
+        cost.bus_bandwidth(1, 1, 2, "scatter")
