@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
+from accel import timing
 from accel.costmodel import collectives as cost
 from accel.distributed.cluster import LocalCluster, make_cluster, tf_config
 from accel.procs import ChildFailed, run_python, start_python
@@ -36,16 +36,6 @@ __all__ = ["KIB", "MIB", "SIZES", "worker", "client", "tf_ring_sweep", "hand_swe
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB)
-
-
-def _median_seconds(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def worker(sizes: Sequence[int], repeat: int) -> dict:
@@ -77,7 +67,7 @@ def worker(sizes: Sequence[int], repeat: int) -> dict:
         got = float(tf_ring().numpy()[0])
         if got != n * (n + 1) / 2:
             raise RuntimeError(f"TF's all-reduce gave {got}, not {n * (n + 1) / 2}")
-        out["tf_ring"].append(_median_seconds(lambda: tf_ring().numpy(), repeat))
+        out["tf_ring"].append(timing.time_fn(lambda: tf_ring().numpy(), repeat))
     return out
 
 
@@ -101,7 +91,7 @@ def client(cluster: dict, sizes: Sequence[int], repeat: int) -> dict:
         got = [float(v.numpy()[0]) for v in hand(xs)]
         if got != [n * (n + 1) / 2] * n:
             raise RuntimeError(f"the hand ring gave {got}, not {n * (n + 1) / 2}")
-        out["hand"].append(_median_seconds(lambda xs=xs: [v.numpy() for v in hand(xs)], repeat))
+        out["hand"].append(timing.time_fn(lambda xs=xs: [v.numpy() for v in hand(xs)], repeat))
     print(json.dumps(out))
     return out
 

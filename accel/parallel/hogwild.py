@@ -26,7 +26,7 @@ import tensorflow as tf
 from accel import checks
 from accel.parallel.staleness import UpdateRecord
 
-__all__ = ["pad_step", "run_lock_free", "RACE_METHODS", "race_increments"]
+__all__ = ["pad_step", "run_workers", "run_lock_free", "RACE_METHODS", "race_increments"]
 
 
 def pad_step(start: float, step_time: float, factor: float) -> None:
@@ -96,6 +96,30 @@ def _worker(shared: _Shared, w, variables, update, fn, batches, step_time, facto
         shared.stop.set()
 
 
+def run_workers(target: Callable, args_per_worker: Sequence[tuple], stop: Callable[[], None],
+                failed: Callable[[], tuple | None], note: Callable[[int], str]) -> None:
+    """One daemon thread ``ps-worker-{w}`` per ``args_per_worker[w]`` running ``target``; waits
+    for all. Whatever ends the wait (the workers finishing, an exception, KeyboardInterrupt in
+    the caller), ``stop()`` tells the rest to end and they are joined, so no thread outlives the
+    call. Then ``failed()`` (``None`` or ``(worker, exception)``) is re-raised with ``note(w)``."""
+    threads = [threading.Thread(target=target, name=f"ps-worker-{w}", daemon=True, args=args)
+               for w, args in enumerate(args_per_worker)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        stop()
+        for t in (t for t in threads if t.is_alive()):
+            t.join()
+    error = failed()
+    if error is not None:
+        w, exc = error
+        exc.add_note(note(w))
+        raise exc
+
+
 def run_lock_free(variables: Sequence[tf.Variable], update: Callable, grad_fns: Sequence,
                   batches: Sequence, *, steps: int, step_time: float = 0.0,
                   slowdown: dict | None = None, eval_fn: Callable | None = None,
@@ -111,23 +135,10 @@ def run_lock_free(variables: Sequence[tf.Variable], update: Callable, grad_fns: 
         shared.curve.append((0, float(eval_fn([tf.identity(v) for v in variables]))))
         shared.curve_time.append(0.0)
         shared.t0 = clock()
-    threads = [threading.Thread(target=_worker, name=f"ps-worker-{w}", daemon=True,
-                                args=(shared, w, variables, update, grad_fns[w], batches[w],
-                                      step_time, (slowdown or {}).get(w, 1.0)))
-               for w in range(len(grad_fns))]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        shared.stop.set()
-        for t in (t for t in threads if t.is_alive()):
-            t.join()
-    if shared.error is not None:
-        w, exc = shared.error
-        exc.add_note(f"raised by lock-free worker {w}")
-        raise exc
+    run_workers(_worker, [(shared, w, variables, update, grad_fns[w], batches[w], step_time,
+                           (slowdown or {}).get(w, 1.0)) for w in range(len(grad_fns))],
+                stop=shared.stop.set, failed=lambda: shared.error,
+                note=lambda w: f"raised by lock-free worker {w}")
     order = np.argsort([s[1] for s in shared.update_spans], kind="stable")
     return {"records": [shared.records[j] for j in order],
             "update_spans": [shared.update_spans[j] for j in order],

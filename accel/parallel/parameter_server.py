@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from accel import checks
-from accel.parallel.hogwild import pad_step, run_lock_free
+from accel.parallel.hogwild import pad_step, run_lock_free, run_workers
 from accel.parallel.staleness import (
     MODES,
     SYNC_MODES,
@@ -169,25 +169,15 @@ def _worker_loop(server: _Server, w: int, fn, batches, step_time, factor, warmup
 
 
 def _run_threads(server, fns, batches, workers, step_time, slowdown, warmup_steps) -> None:
-    threads = [threading.Thread(target=_worker_loop, name=f"ps-worker-{w}", daemon=True,
-                                args=(server, w, fns[w], batches[w], step_time,
-                                      slowdown.get(w, 1.0), warmup_steps))
-               for w in range(len(workers))]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
+    def stop():
         with server.cond:
             server.stopped = True
             server.cond.notify_all()
-        for t in (t for t in threads if t.is_alive()):
-            t.join()
-    if server.error is not None:
-        w, exc = server.error
-        exc.add_note(f"raised by parameter-server worker {w} on {workers[w]}")
-        raise exc
+
+    run_workers(_worker_loop, [(server, w, fns[w], batches[w], step_time, slowdown.get(w, 1.0),
+                                warmup_steps) for w in range(len(workers))],
+                stop=stop, failed=lambda: server.error,
+                note=lambda w: f"raised by parameter-server worker {w} on {workers[w]}")
 
 
 def _run_delayed(server, fns, batches, delays, warmup_steps) -> None:
