@@ -116,22 +116,35 @@ def bus_bandwidth(nbytes: float, seconds: float, n: int, collective: str = "all_
 
 
 def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares line ``seconds = a + b * size`` through measured points: returns
-    ``(a, 1 / b)``, the fixed cost per call and the bytes per second the sizes move at."""
+    """The line ``seconds = alpha + size / bandwidth`` through measured points: returns
+    ``(alpha, bandwidth)``, the fixed cost per call and the bytes per second the sizes move at.
+
+    Sizes span decades (4 KiB to 64 MiB), so a plain least-squares line would follow the largest
+    points and leave the intercept to their noise (even negative). The fit weighs each point by
+    ``1 / seconds**2``: it minimises the RELATIVE error, so small messages fix ``alpha`` and
+    large ones the bandwidth. A negative ``alpha`` is clipped to 0 (and the bandwidth refitted
+    through the origin): a call cannot take less than no time."""
     sizes, seconds = [float(s) for s in sizes], [float(t) for t in seconds]
     if len(sizes) != len(seconds) or len(sizes) < 2:
         raise ValueError(f"need at least 2 (size, time) pairs of equal length, got "
                          f"{len(sizes)} sizes and {len(seconds)} times")
-    m = len(sizes)
-    mx, my = sum(sizes) / m, sum(seconds) / m
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    if sxx == 0:
+    if len(set(sizes)) < 2:
         raise ValueError(f"sizes must not all be equal, got {sizes}")
-    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds, strict=True)) / sxx
+    if min(seconds) <= 0:
+        raise ValueError(f"times must be > 0, got {seconds}")
+    w = [1.0 / t**2 for t in seconds]
+    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, sizes, strict=True)), \
+        sum(wi * t for wi, t in zip(w, seconds, strict=True))
+    sxx = sum(wi * x * x for wi, x in zip(w, sizes, strict=True))
+    sxy = sum(wi * x * t for wi, x, t in zip(w, sizes, seconds, strict=True))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    alpha = (sy - slope * sx) / sw
+    if alpha < 0:
+        alpha, slope = 0.0, sxy / sxx
     if slope <= 0:
         raise ValueError(f"time does not grow with size (slope {slope:g}): cannot fit a "
                          "bandwidth")
-    return my - slope * mx, 1.0 / slope
+    return alpha, 1.0 / slope
 
 
 def sharded_ps_time(nbytes: float, workers: int, servers: int, latency_s: float,

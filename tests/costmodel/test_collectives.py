@@ -32,6 +32,14 @@ def test_fit_recovers_a_line():
     sizes = np.array([4e3, 6.4e4, 1e6, 1.6e7])
     a, bw = cost.fit_alpha_beta(sizes, 2e-3 + sizes / 5e8)
     assert a == pytest.approx(2e-3) and bw == pytest.approx(5e8)
+    # relative error: the small sizes fix alpha even when a big one is off by 20%
+    a, bw = cost.fit_alpha_beta(sizes, 2e-3 + sizes / 5e8 * np.array([1, 1, 1, 1.2]))
+    assert a == pytest.approx(2e-3, rel=0.05)
+    # noise that would make the intercept negative: clipped to 0, bandwidth through the origin
+    a, bw = cost.fit_alpha_beta([1e6, 2e6], [1e-3, 3e-3])
+    # (the line through both points has alpha = -1 ms); by hand: bw = sum(x^2/t^2) / sum(x/t)
+    # = (1e18 + 4e18/9) / (1e9 + 2e9/3) = 13e9/15
+    assert a == 0.0 and bw == pytest.approx(13e9 / 15)
     with pytest.raises(ValueError, match="at least 2"):
         cost.fit_alpha_beta([1.0], [1.0])
     with pytest.raises(ValueError, match="does not grow"):
