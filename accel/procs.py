@@ -79,9 +79,10 @@ class Child:
         """``(stdout, stderr)`` written so far."""
         texts = []
         for f in (self._out, self._err):
-            f.flush()
-            f.seek(0)
-            texts.append(f.read().decode(errors="replace"))
+            # pread, not seek + read: the child writes through the same open file, so moving
+            # its offset back to 0 would make the child overwrite what it wrote before
+            fd = f.fileno()
+            texts.append(os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace"))
         return texts[0], texts[1]
 
     def wait(self, timeout: float) -> int:

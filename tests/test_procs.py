@@ -25,6 +25,18 @@ def test_output_exit_code_and_env():
         assert not c.alive()
 
 
+def test_reading_the_output_while_the_child_writes_loses_nothing():
+    """The caller polls ``output()`` while the child prints (chapter 10's coordinator is read
+    that way); every line must come back intact and in order."""
+    code = "import time\nfor i in range(300):\n    print(f'line {i}', flush=True)\n" \
+           "    time.sleep(0.001)"
+    with procs.start_python(["-c", code]) as c:
+        while c.alive():
+            c.output()
+        assert c.wait(60) == 0
+        assert c.output()[0] == "".join(f"line {i}\n" for i in range(300))
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
 def test_stop_ends_the_child_and_its_own_children_and_timeouts_stop_it():
     code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
