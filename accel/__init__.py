@@ -46,6 +46,7 @@ part III     accel.parallel.staleness (05)     the server's decision rules, reco
              accel.parallel.data (06)          data parallelism by hand: the towers recipe
              accel.parallel.mirrored (06)      the same with MirroredStrategy
              accel.parallel.strategies (06,11) strategies by name, one custom loop for all
+             accel.parallel.local_sgd (11)     replicas average their weights every k steps
              accel.parallel.inputs (06)        TFRecord files through tf.data, split per tower
              accel.parallel.partition (07-08)  cutting layers into balanced parts (pure)
              accel.parallel.layers (07-08)     a model as a list of layers (fn, arrays) / Keras

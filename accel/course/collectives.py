@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from accel import collectives, timing
+from accel import collectives, data, timing
 from accel.costmodel import collectives as cost
 from accel.costmodel.hardware import link_bandwidth
 
@@ -148,6 +148,23 @@ def fp16_training(device_names: Sequence[str], steps: int = 30, lr: float = 0.1,
             losses.append(float(np.mean((x @ w - y) ** 2)))
         out[name] = losses
     return out
+
+
+def local_sgd_runs(device_names: Sequence[str], everys: Sequence[int] = (1, 2, 4, 8),
+                   steps: int = 16, lr: float = 0.05, seed: int = 0) -> dict:
+    """Local SGD on a linear regression, one shard of 16 examples per device and step, for each
+    ``every``: ``{every: LocalSGDResult}`` (same examples, same steps; only the syncs differ)."""
+    from accel.parallel.local_sgd import local_sgd
+    from accel.training import squared_error
+
+    devs = list(device_names)
+    n, b = len(devs), 16
+    x, y, _ = data.regression(n * b * steps, 8, 4, seed=seed)
+    shards = [[(x[(n * t + i) * b:(n * t + i + 1) * b], y[(n * t + i) * b:(n * t + i + 1) * b])
+               for t in range(steps)] for i in range(n)]
+    params = [np.zeros((8, 4), np.float32), np.zeros(4, np.float32)]
+    return {k: local_sgd(lambda p, xb: xb @ p[0] + p[1], squared_error, params, shards, devs,
+                         every=k, steps=steps, lr=lr, x_eval=x, y_eval=y) for k in everys}
 
 
 def bench(device_names: Sequence[str], quick: bool = False) -> dict:

@@ -9,6 +9,7 @@
 - ``accel.parallel.mirrored`` (06): the same training with ``MirroredStrategy``;
 - ``accel.parallel.strategies`` (06, 11): default / one-device / mirrored / central-storage
   strategies by name (with their ``cross_device_ops``) and one custom loop that runs under each;
+- ``accel.parallel.local_sgd`` (11): local SGD, the replicas' weights averaged every k steps;
 - ``accel.parallel.inputs`` (06): TFRecord files read back through ``tf.data``, split per tower;
 - ``accel.parallel.partition`` (07, 08): cutting a layer sequence into parts (pure functions);
 - ``accel.parallel.layers`` (07, 08): a model as a list of layers, checked to chain;
