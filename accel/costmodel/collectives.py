@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from accel import checks
 
-__all__ = ["ALGORITHMS", "terms", "allreduce_time", "crossover_bytes", "algorithm_bandwidth",
-           "bus_bandwidth", "BUS_FACTORS", "fit_alpha_beta", "sharded_ps_time",
+__all__ = ["ALGORITHMS", "MEDIA", "StepsBytesFit", "terms", "allreduce_time", "crossover_bytes",
+           "algorithm_bandwidth",
+           "bus_bandwidth", "BUS_FACTORS", "fit_alpha_beta", "fit_steps_bytes",
+           "measured_crossover", "sharded_ps_time",
            "packed_time", "local_sgd_step_time", "overlapped_step_time", "SEED_2016"]
 
 ALGORITHMS = ("one_device", "direct", "ring", "tree")
+MEDIA = ("links", "shared")
 
 # collective -> bus-bandwidth factor as a function of n (nccl-tests doc/PERFORMANCE.md)
 BUS_FACTORS = {
@@ -60,13 +64,23 @@ def _check_n(n: int) -> int:
     return checks.positive_int("n", n)
 
 
-def terms(algorithm: str, n: int) -> tuple[float, float]:
+def terms(algorithm: str, n: int, medium: str = "links") -> tuple[float, float]:
     """``(steps, factor)``: the all-reduce of ``S`` bytes on ``n`` devices costs
-    ``steps * alpha + factor * S / bandwidth``."""
+    ``steps * alpha + factor * S / bandwidth``.
+
+    ``medium="links"`` (the table above): every device has its own link and the links run in
+    parallel, so the busiest link sets the time. ``medium="shared"``: one medium carries every
+    byte in turn (processes on one machine's loopback, sharing its cores and memory), so the
+    factor is the total all devices send: ``2 (n - 1)`` for ``one_device``, ``ring`` and
+    ``tree`` alike, ``n (n - 1)`` for ``direct``."""
     checks.one_of("algorithm", algorithm, ALGORITHMS)
+    checks.one_of("medium", medium, MEDIA)
     n = _check_n(n)
     if n == 1:
         return 0.0, 0.0
+    if medium == "shared":
+        steps = terms(algorithm, n)[0]
+        return steps, float(n * (n - 1) if algorithm == "direct" else 2 * (n - 1))
     if algorithm == "one_device":
         return 2.0, 2.0 * (n - 1)
     if algorithm == "direct":
@@ -79,22 +93,23 @@ def terms(algorithm: str, n: int) -> tuple[float, float]:
 
 
 def allreduce_time(nbytes: float, n: int, algorithm: str, latency_s: float,
-                   bandwidth_bps: float) -> float:
+                   bandwidth_bps: float, medium: str = "links") -> float:
     """Modelled seconds of one all-reduce of ``nbytes`` over ``n`` devices."""
     checks.non_negative_number("nbytes", nbytes)
     checks.non_negative_number("latency_s", latency_s)
     checks.positive_number("bandwidth_bps", bandwidth_bps)
-    steps, factor = terms(algorithm, n)
+    steps, factor = terms(algorithm, n, medium)
     return steps * latency_s + factor * nbytes / bandwidth_bps
 
 
-def crossover_bytes(a: str, b: str, n: int, latency_s: float, bandwidth_bps: float) -> float:
+def crossover_bytes(a: str, b: str, n: int, latency_s: float, bandwidth_bps: float,
+                    medium: str = "links") -> float:
     """Message size (bytes) where algorithms ``a`` and ``b`` take the same modelled time, or
     ``math.inf`` if the lines never cross at a positive size (one is never slower)."""
     checks.positive_number("latency_s", latency_s)
     checks.positive_number("bandwidth_bps", bandwidth_bps)
-    sa, fa = terms(a, n)
-    sb, fb = terms(b, n)
+    sa, fa = terms(a, n, medium)
+    sb, fb = terms(b, n, medium)
     if fa == fb:
         return math.inf
     size = (sa - sb) * latency_s * bandwidth_bps / (fb - fa)
@@ -145,6 +160,84 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[fl
         raise ValueError(f"time does not grow with size (slope {slope:g}): cannot fit a "
                          "bandwidth")
     return alpha, 1.0 / slope
+
+
+class StepsBytesFit(NamedTuple):
+    """``fit_steps_bytes``' answer: seconds per call, per step (alpha), the bandwidth in bytes
+    per second, and the root-mean-square relative error of the fitted times."""
+    call: float
+    alpha: float
+    bandwidth: float
+    rel_error: float
+
+
+def fit_steps_bytes(points: Sequence[tuple[str, int, float, float]], medium: str = "links"
+                    ) -> StepsBytesFit:
+    """Fit the model to measured all-reduces of several algorithms at once.
+
+    ``points`` are ``(algorithm, n, nbytes, seconds)``; the fit is ``seconds = call +
+    steps * alpha + factor * nbytes / bandwidth`` with ``(steps, factor) = terms(algorithm,
+    n, medium)`` and one ``call`` cost shared by every algorithm (launching the function).
+    Like ``fit_alpha_beta`` it minimises the relative error; a coefficient that would come out
+    negative is held at 0 (the best fit among those that keep every coefficient >= 0).
+    ``crossover_bytes(a, b, n, fit.alpha, fit.bandwidth, medium)`` then predicts where two
+    algorithms swap places (``call`` cancels out), and ``rel_error`` says how well the medium
+    explains the points."""
+    import numpy as np
+
+    rows, times = [], []
+    for point in points:
+        if len(point) != 4:
+            raise ValueError(f"each point must be (algorithm, n, nbytes, seconds), got {point!r}")
+        alg, n, nbytes, seconds = point
+        steps, factor = terms(alg, n, medium)
+        checks.non_negative_number("nbytes", nbytes)
+        if not seconds > 0:
+            raise ValueError(f"times must be > 0, got {seconds!r}")
+        rows.append([1.0, steps, factor * nbytes])
+        times.append(float(seconds))
+    a = np.array(rows) / np.array(times)[:, None] if rows else np.zeros((0, 3))
+    if len(times) < 3 or np.linalg.matrix_rank(a) < 3:
+        raise ValueError("need points of at least two algorithms with different step counts "
+                         "and at least two sizes to separate call, alpha and bandwidth, got "
+                         f"{len(times)} points")
+    target = np.ones(len(times))
+    best = None
+    for mask in range(1, 8):  # every non-empty set of free coefficients; the others held at 0
+        free = [i for i in range(3) if mask >> i & 1]
+        x = np.zeros(3)
+        x[free] = np.linalg.lstsq(a[:, free], target, rcond=None)[0]
+        if (x < 0).any():
+            continue
+        err = float(np.sum((a @ x - target) ** 2))
+        if best is None or err < best[0]:
+            best = (err, x)
+    if best is None or best[1][2] <= 0:
+        raise ValueError("time does not grow with bytes: cannot fit a bandwidth")
+    err, (call, alpha, per_byte) = best
+    return StepsBytesFit(float(call), float(alpha), float(1.0 / per_byte),
+                         math.sqrt(err / len(times)))
+
+
+def measured_crossover(sizes: Sequence[float], a_seconds: Sequence[float],
+                       b_seconds: Sequence[float]) -> float:
+    """The size at which algorithm ``a`` stops being faster than ``b`` in measured timings:
+    the first place, going up in size, where ``a``'s time goes from below ``b``'s to above it,
+    interpolated linearly in log size and log ratio. ``0.0`` if ``a`` is not faster at the
+    smallest size, ``math.inf`` if it is faster at every size."""
+    if not len(sizes) == len(a_seconds) == len(b_seconds) or len(sizes) < 1:
+        raise ValueError(f"need equally many sizes and times, got {len(sizes)}, "
+                         f"{len(a_seconds)} and {len(b_seconds)}")
+    pts = sorted(zip(sizes, a_seconds, b_seconds, strict=True))
+    if min(min(p[1], p[2]) for p in pts) <= 0 or pts[0][0] <= 0:
+        raise ValueError("sizes and times must be > 0")
+    logs = [(math.log(s), math.log(ta / tb)) for s, ta, tb in pts]
+    if logs[0][1] >= 0:
+        return 0.0
+    for (x0, r0), (x1, r1) in zip(logs[:-1], logs[1:], strict=True):
+        if r1 >= 0:
+            return math.exp(x0 + (x1 - x0) * (-r0) / (r1 - r0))
+    return math.inf
 
 
 def sharded_ps_time(nbytes: float, workers: int, servers: int, latency_s: float,

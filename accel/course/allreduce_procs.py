@@ -12,14 +12,21 @@ ways:
   (Driving remote ops from inside a strategy's worker crashed TF 2.21 here, and a client's
   ``CollectiveReduceV2`` on plain servers hangs: hence two set-ups.)
 
-``sweep(workers, sizes, repeat)`` runs both, always ending every process (timeouts bound each
-wait), and returns the median seconds per size.
+Both time ``chain`` (``CHAIN``) all-reduces in a row in one function call, each of the one
+before's result, and divide: the call's launch and the fetch of its result are shared, as a
+training step shares them over its gradients, and what is left is the all-reduce itself (with
+one all-reduce per call the client's launch of remote work, a few milliseconds, dominates the
+small sizes). ``sweep(workers, sizes, repeat)`` runs both, always ending every process
+(timeouts bound each wait), and returns the median seconds per all-reduce for each size;
+``others=("tree", "one_device")`` adds more hand algorithms on the same servers, which
+``crossover_lines`` checks the alpha-beta model against.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -31,16 +38,23 @@ from accel.costmodel import collectives as cost
 from accel.distributed.cluster import LocalCluster, make_cluster, tf_config
 from accel.procs import ChildFailed, run_python, start_python
 
-__all__ = ["KIB", "MIB", "SIZES", "worker", "client", "tf_ring_sweep", "hand_sweep", "sweep",
-           "process_lines", "figure_loopback", "main"]
+__all__ = ["KIB", "MIB", "SIZES", "CHAIN", "worker", "client", "tf_ring_sweep", "hand_sweep",
+           "sweep", "process_lines", "crossover_lines", "figure_loopback", "main"]
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB)
+CHAIN = 4  # all-reduces per timed call: the call's dispatch is shared, as a step shares it
 
 
-def worker(sizes: Sequence[int], repeat: int) -> dict:
-    """Run in each worker process (``TF_CONFIG`` set): returns, on every worker, the median
-    seconds of both all-reduces per size (the hand ring's only on worker 0)."""
+def _expected(n: int, chain: int) -> float:
+    """What every element holds after ``chain`` chained sums of worker i's ``i + 1``."""
+    return n * (n + 1) / 2 * n ** (chain - 1)
+
+
+def worker(sizes: Sequence[int], repeat: int, chain: int = CHAIN) -> dict:
+    """Run in each worker process (``TF_CONFIG`` set): returns the median seconds per
+    all-reduce of TF's RING collective for each size, timed as ``chain`` all-reduces in a row
+    in one function call, each of the one before's result."""
     import tensorflow as tf
 
     options = tf.distribute.experimental.CommunicationOptions(
@@ -51,12 +65,14 @@ def worker(sizes: Sequence[int], repeat: int) -> dict:
 
     here = strategy.extended.worker_devices[0]
 
-    def summed(v):  # one replica's all-reduce; a placed value tells it where the result goes
-        with tf.device(here):
+    def summed(v):  # `chain` all-reduces in a row, each of the one before's result
+        with tf.device(here):  # a placed value tells the all-reduce where results go
             v = tf.identity(v)
-        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, v)
+        for _ in range(chain):
+            v = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, v)
+        return v
 
-    out: dict = {"sizes": list(sizes), "workers": n, "tf_ring": []}
+    out: dict = {"sizes": list(sizes), "workers": n, "chain": chain, "tf_ring": []}
     for nbytes in sizes:
         x = tf.fill([nbytes // 4], float(rank + 1))
 
@@ -65,15 +81,19 @@ def worker(sizes: Sequence[int], repeat: int) -> dict:
             return strategy.run(summed, args=(x,))[-1:]
 
         got = float(tf_ring().numpy()[0])
-        if got != n * (n + 1) / 2:
-            raise RuntimeError(f"TF's all-reduce gave {got}, not {n * (n + 1) / 2}")
-        out["tf_ring"].append(timing.time_fn(lambda: tf_ring().numpy(), repeat))
+        if got != _expected(n, chain):
+            raise RuntimeError(f"TF's all-reduce gave {got}, not {_expected(n, chain)}")
+        out["tf_ring"].append(timing.time_fn(lambda: tf_ring().numpy(), repeat) / chain)
     return out
 
 
-def client(cluster: dict, sizes: Sequence[int], repeat: int) -> dict:
+def client(cluster: dict, sizes: Sequence[int], repeat: int, chain: int = CHAIN,
+           others: Sequence[str] = ()) -> dict:
     """Run in a client process next to plain servers: connect to them and time the hand ring,
-    its ops under ``/job:worker/task:i``; prints and returns ``{"hand": [...]}``."""
+    its ops under ``/job:worker/task:i``, as ``chain`` all-reduces in a row in one call, each
+    of the one before's result; prints and returns ``{"hand": [median seconds per all-reduce,
+    ...], "others": {algorithm: [...]}}``, ``others`` naming more hand algorithms
+    (``"tree"``, ``"one_device"``) timed the same way on the same processes."""
     import tensorflow as tf
 
     from accel import collectives
@@ -81,28 +101,41 @@ def client(cluster: dict, sizes: Sequence[int], repeat: int) -> dict:
     tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
     n = len(cluster["worker"])
     devs = [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(n)]
-    hand = tf.function(lambda xs: [y[-1:] for y in collectives.all_reduce(xs, devs, "ring")])
-    out: dict = {"sizes": list(sizes), "workers": n, "hand": []}
+
+    def chained(algorithm):
+        @tf.function
+        def run(xs):  # `chain` all-reduces in a row, each of the one before's result
+            for _ in range(chain):
+                xs = collectives.all_reduce(xs, devs, algorithm)
+            return [x[-1:] for x in xs]
+        return run
+
+    fns = {alg: chained(alg) for alg in ("ring", *others)}
+    times: dict = {alg: [] for alg in fns}
     for nbytes in sizes:
         xs = []
         for i, d in enumerate(devs):
             with tf.device(d):
                 xs.append(tf.fill([nbytes // 4], float(i + 1)))
-        got = [float(v.numpy()[0]) for v in hand(xs)]
-        if got != [n * (n + 1) / 2] * n:
-            raise RuntimeError(f"the hand ring gave {got}, not {n * (n + 1) / 2}")
-        out["hand"].append(timing.time_fn(lambda xs=xs: [v.numpy() for v in hand(xs)], repeat))
+        for alg, fn in fns.items():
+            got = [float(v.numpy()[0]) for v in fn(xs)]
+            if got != [_expected(n, chain)] * n:
+                raise RuntimeError(f"the hand {alg} gave {got}, not {_expected(n, chain)}")
+            times[alg].append(
+                timing.time_fn(lambda xs=xs, fn=fn: [v.numpy() for v in fn(xs)], repeat) / chain)
+    out: dict = {"sizes": list(sizes), "workers": n, "chain": chain, "hand": times.pop("ring"),
+                 "others": times}
     print(json.dumps(out))
     return out
 
 
 def tf_ring_sweep(workers: int = 2, sizes: Sequence[int] = SIZES, repeat: int = 5,
-                  timeout: float = 300.0) -> dict:
+                  timeout: float = 300.0, chain: int = CHAIN) -> dict:
     """Start ``workers`` strategy processes, wait for all (bounded by ``timeout`` seconds), end
     them whatever happens, and return worker 0's result."""
     cluster = make_cluster(ps=0, workers=workers)
     args = ["-m", "accel.course.allreduce_procs", "--sizes", *map(str, sizes), "--repeat",
-            str(repeat)]
+            str(repeat), "--chain", str(chain)]
     children = []
     try:
         for i in range(workers):
@@ -136,8 +169,9 @@ def process_lines(result: dict) -> tuple[list[str], dict]:
     """Table lines (time, algorithm and bus bandwidth, hand / TF ratio per size) for a
     ``allreduce_procs.sweep`` result, and the ratios by size."""
     n = result["workers"]
-    lines = [f"{n} processes on loopback: size, hand ring vs TF RING collective "
-             "(median ms; algbw, busbw in MB/s; ratio hand / TF)"]
+    lines = [f"{n} processes on loopback: size, hand ring vs TF RING collective (median ms per "
+             f"all-reduce, {result.get('chain', 1)} in a row per call; algbw, busbw in MB/s; "
+             "ratio hand / TF)"]
     ratios = {}
     for s, th, tt in zip(result["sizes"], result["hand"], result["tf_ring"], strict=True):
         ratios[s] = th / tt
@@ -151,10 +185,51 @@ def process_lines(result: dict) -> tuple[list[str], dict]:
         except ValueError:
             lines.append(f"alpha-beta fit ({name}): none (time did not grow with size)")
             continue
-        lines.append(f"alpha-beta fit ({name}): {a * 1e3:.2f} ms per call + size / "
+        lines.append(f"alpha-beta fit ({name}): {a * 1e3:.2f} ms per all-reduce + size / "
                      f"{bw / 1e6:.0f} MB/s")
     return lines, ratios
 
+
+
+def crossover_lines(result: dict) -> tuple[list[str], dict]:
+    """Check the alpha-beta model against a ``hand_sweep(..., others=...)`` result: the hand
+    algorithms' median times per size; then, for each medium (``"links"``: every process its
+    own link; ``"shared"``: one machine carries every byte), the model fitted to all the points
+    (``fit_steps_bytes``), its relative error, and each other algorithm's crossover with the
+    ring, predicted by the fit vs read from the timings (``measured_crossover``). Returns the
+    lines and ``{medium: (fit, {algorithm: (predicted, measured)})}``."""
+    n, sizes = result["workers"], result["sizes"]
+    times = {"ring": result["hand"], **result["others"]}
+    lines = [f"{n} processes on loopback, hand algorithms from one client (median ms per "
+             f"all-reduce, {result.get('chain', 1)} in a row per call)",
+             "   size " + "".join(f"{alg:>12}" for alg in times)]
+    for i, s in enumerate(sizes):
+        lines.append(f"{_fmt_size(s):>7} " + "".join(f"{t[i] * 1e3:12.2f}"
+                                                       for t in times.values()))
+    checked = {}
+    for medium in cost.MEDIA:
+        fit = cost.fit_steps_bytes([(alg, n, s, t) for alg, ts in times.items()
+                                    for s, t in zip(sizes, ts, strict=True)], medium)
+        lines.append(f"model, {medium:6} medium: {fit.call * 1e3:.2f} ms per call + "
+                     f"{fit.alpha * 1e3:.3f} ms per step + bytes / {fit.bandwidth / 1e6:.0f} MB/s,"
+                     f" relative error {fit.rel_error:.0%}")
+        checked[medium] = (fit, {})
+        for alg in result["others"]:
+            predicted = (cost.crossover_bytes(alg, "ring", n, fit.alpha, fit.bandwidth, medium)
+                         if fit.alpha > 0 else 0.0)
+            measured = cost.measured_crossover(sizes, times[alg], times["ring"])
+            checked[medium][1][alg] = (predicted, measured)
+            lines.append(f"  {alg} faster than the ring below: predicted {_fmt_bytes(predicted)},"
+                         f" measured {_fmt_bytes(measured)}")
+    return lines, checked
+
+
+def _fmt_bytes(nbytes: float) -> str:
+    if nbytes == math.inf:
+        return "every size"
+    if nbytes == 0:
+        return "no size"
+    return f"{nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.1f} KiB"
 
 
 def figure_loopback(result: dict):
@@ -188,28 +263,31 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m accel.course.allreduce_procs")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--chain", type=int, default=CHAIN)
     args = parser.parse_args(argv)
     if "TF_CONFIG" not in os.environ:
         raise SystemExit("TF_CONFIG is not set: this runs as one worker of a cluster")
-    print(json.dumps(worker(args.sizes, args.repeat)), flush=True)
+    print(json.dumps(worker(args.sizes, args.repeat, args.chain)), flush=True)
 
 
 def hand_sweep(workers: int = 2, sizes: Sequence[int] = SIZES, repeat: int = 5,
-               timeout: float = 300.0) -> dict:
+               timeout: float = 300.0, chain: int = CHAIN, others: Sequence[str] = ()
+               ) -> dict:
     """Start ``workers`` plain servers (``LocalCluster``), time the hand ring from a client
     process, end every process; returns the client's result."""
     with LocalCluster(ps=0, workers=workers, lifetime=timeout + 60) as c:
         code = ("from accel.course.allreduce_procs import client; "
-                f"client({c.cluster!r}, {list(sizes)!r}, {repeat})")
+                f"client({c.cluster!r}, {list(sizes)!r}, {repeat}, {chain}, {tuple(others)!r})")
         text = run_python(code, timeout=timeout)
     return json.loads(text.strip().splitlines()[-1])
 
 
 def sweep(workers: int = 2, sizes: Sequence[int] = SIZES, repeat: int = 5,
-          timeout: float = 300.0) -> dict:
-    """Both measurements on the same sizes: ``{"sizes", "workers", "hand", "tf_ring"}``."""
-    return {**hand_sweep(workers, sizes, repeat, timeout),
-            "tf_ring": tf_ring_sweep(workers, sizes, repeat, timeout)["tf_ring"]}
+          timeout: float = 300.0, chain: int = CHAIN, others: Sequence[str] = ()) -> dict:
+    """Both measurements on the same sizes: ``{"sizes", "workers", "chain", "hand", "others",
+    "tf_ring"}`` (``others``: more hand algorithms, see ``client``)."""
+    return {**hand_sweep(workers, sizes, repeat, timeout, chain, others),
+            "tf_ring": tf_ring_sweep(workers, sizes, repeat, timeout, chain)["tf_ring"]}
 
 
 if __name__ == "__main__":

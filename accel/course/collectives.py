@@ -7,7 +7,8 @@ benchmark and the chapter's cost-model figure.
   cross-device ops of a ``MirroredStrategy`` over the devices, applied to ``PerReplica``
   values; the collective one is what ``MirroredStrategy`` picks by default here and what
   ``MultiWorkerMirroredStrategy`` runs);
-* ``inprocess_times``, ``packing_times``, ``fp16_training``: the measurements;
+* ``inprocess_times``, ``packing_times`` (by hand), ``tf_packing`` (``CommunicationOptions``),
+  ``fp16_training``: the measurements;
 * ``bench(device_names, quick=False)``: ``python -m accel bench allreduce``;
 * ``figure_alpha_beta()``: modelled all-reduce time of each algorithm on cited links.
 """
@@ -24,7 +25,7 @@ from accel.costmodel import collectives as cost
 from accel.costmodel.hardware import link_bandwidth
 
 __all__ = ["TF_IMPLEMENTATIONS", "tf_all_reduce", "placed", "inprocess_times",
-           "bytes_table", "packing_times", "fp16_training", "bench",
+           "bytes_table", "packing_times", "tf_packing", "fp16_training", "bench",
            "LINK_CASES", "figure_alpha_beta", "check_exercise"]
 
 TF_IMPLEMENTATIONS = ("ReductionToOneDevice", "HierarchicalCopyAllReduce", "collective")
@@ -122,6 +123,34 @@ def packing_times(device_names: Sequence[str], tensors: int = 64, size: int = 25
     return out
 
 
+def tf_packing(device_names: Sequence[str], tensors: int = 64, size: int = 256,
+               bytes_per_pack: Sequence[int] = (1, 16 * 1024, 0), repeat: int = 5) -> dict:
+    """TensorFlow's own packing: ``tensors`` float32 gradients of ``size`` numbers on each
+    device, summed in a ``tf.function`` by the collective cross-device ops of a
+    ``MirroredStrategy`` (``extended.batch_reduce_to``) with
+    ``CommunicationOptions(bytes_per_pack=p)`` for each ``p``. Returns ``{p: (median seconds,
+    all-reduces per device)}``, the count read from the traced graph (its ``CollectiveReduce*``
+    ops over the number of devices). Raises ``RuntimeError`` if a sum differs from NumPy's."""
+    devs = list(device_names)
+    grads = _gradient_like(devs, tensors, size)
+    strategy = _strategy(tuple(collectives.check_devices(devs)), "collective")
+    values = [strategy.experimental_distribute_values_from_function(
+        lambda ctx, k=k: grads[ctx.replica_id_in_sync_group][k]) for k in range(tensors)]
+    exact = np.sum([[g.numpy() for g in per_device] for per_device in grads], axis=0)
+    out = {}
+    for pack in bytes_per_pack:
+        options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=pack)
+        fn = tf.function(lambda options=options: [
+            strategy.experimental_local_results(r)[0] for r in strategy.extended.batch_reduce_to(
+                tf.distribute.ReduceOp.SUM, [(v, v) for v in values], options=options)])
+        ops = fn.get_concrete_function().graph.get_operations()
+        calls = sum(op.type.startswith("CollectiveReduce") for op in ops) // len(devs)
+        if not np.allclose([v.numpy() for v in fn()], exact, rtol=1e-5, atol=1e-5):
+            raise RuntimeError(f"bytes_per_pack={pack}: the sums differ from NumPy's")
+        out[pack] = (timing.time_fn(lambda fn=fn: [v.numpy() for v in fn()], repeat), calls)
+    return out
+
+
 def fp16_training(device_names: Sequence[str], steps: int = 30, lr: float = 0.1,
                   seed: int = 0) -> dict:
     """A linear regression trained data-parallel over the devices (each its quarter of the
@@ -188,12 +217,15 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     for alg, counted, formula in rows:
         lines.append(f"bytes sent per device, {alg:10}: counted {counted}, formula {formula}")
     lines.append(f"counted == formula for every algorithm: {exact}")
-    pack = packing_times(devs, 16 if quick else 64, 256, repeat=repeat)
-    base = pack[0][0]
-    for p, (t, calls) in pack.items():
-        out[f"pack {p}/unpacked"] = t / base
-        lines.append(f"packing {p:>10} bytes: {calls:3} all-reduces, {t * 1e3:8.2f} ms, "
-                     f"{t / base:.2f}x unpacked")
+    tensors = 16 if quick else 64
+    for label, key, pack in (
+            ("packing by hand, pack_bytes", 0, packing_times(devs, tensors, 256, repeat=repeat)),
+            ("TF collective, bytes_per_pack", 1, tf_packing(devs, tensors, 256, repeat=repeat))):
+        base = pack[key][0]  # one all-reduce per tensor
+        for p, (t, calls) in pack.items():
+            out[f"{label} {p}/unpacked"] = t / base
+            lines.append(f"{label} {p:>10}: {calls:3} all-reduces, {t * 1e3:8.2f} ms, "
+                         f"{t / base:.2f}x unpacked")
     xs = placed(devs, count)
     t32 = timing.time_fn(tf.function(lambda: [y[:1] for y in collectives.all_reduce(
         xs, devs, "ring")]), repeat)
@@ -210,10 +242,14 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     else:
         worst = 0.0
         for workers in (2, 4):
-            procs_lines, ratios = allreduce_procs.process_lines(allreduce_procs.sweep(workers))
+            others = ("tree", "one_device") if workers == 4 else ()
+            result = allreduce_procs.sweep(workers, others=others)
+            procs_lines, ratios = allreduce_procs.process_lines(result)
             lines += procs_lines
             out.update({f"procs{workers} {s} hand/tf": r for s, r in ratios.items()})
             worst = max([worst] + [r for s, r in ratios.items() if s >= 1 << 20])
+            if others:
+                lines += allreduce_procs.crossover_lines(result)[0]
         lines.append(f"goal: hand ring within 1.1x of TF's RING at every size >= 1 MiB -> "
                      f"worst {worst:.2f}x ({'met' if worst <= 1.1 else 'NOT met'})")
     lines.append("this machine's 2-thread vs 1-thread matmul ceiling: "

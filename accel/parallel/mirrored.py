@@ -44,22 +44,29 @@ def mirrored_strategy(devices: Sequence[str],
 
 
 def make_mirrored_step(strategy: tf.distribute.Strategy, model: tf.keras.Model,
-                       loss_fn: Callable, optimizer, global_batch_size: int):
+                       loss_fn: Callable, optimizer, global_batch_size: int, l2: float = 0.0):
     """A custom-loop training step under ``strategy`` for a Keras ``model`` built in its scope.
 
     Each replica scales its per-example losses by the *global* batch size
     (``tf.nn.compute_average_loss``); the optimizer sums the replicas' gradients (an all-reduce),
-    so the update equals the single-device step on the whole batch. ``step(batch)`` takes an
-    element of ``strategy.experimental_distribute_dataset(...)`` and returns the global mean loss.
+    so the update equals the single-device step on the whole batch. ``l2`` adds
+    ``l2 * sum(kernel**2)`` over the kernels (weights of rank >= 2), divided among the replicas
+    (``tf.nn.scale_regularization_loss``). ``step(batch)`` takes an element of
+    ``strategy.experimental_distribute_dataset(...)`` and returns the global mean loss.
     Every batch must have ``global_batch_size`` examples (batch with ``drop_remainder=True``):
     a shorter last batch would be divided by the wrong size.
     """
     checks.positive_int("global_batch_size", global_batch_size)
+    checks.non_negative_number("l2", l2)
+    kernels = [w for w in model.trainable_variables if len(w.shape) >= 2]
 
     def replica_step(x, y):
         with tf.GradientTape() as tape:
             per_example = loss_fn(y, model(x, training=True))
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+            if l2:
+                loss += tf.nn.scale_regularization_loss(
+                    l2 * tf.add_n([tf.reduce_sum(tf.square(k)) for k in kernels]))
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from accel import checks
 from accel.devices import parse_device
+from accel.parallel.mirrored import make_mirrored_step
 from accel.training import squared_error
 
 __all__ = ["KINDS", "CROSS_DEVICE_OPS", "INPUTS", "make_strategy", "make_cross_device_ops",
@@ -164,23 +165,7 @@ def train_loop(strategy: tf.distribute.Strategy, make_model: Callable[[], tf.ker
             per_replica = ctx.get_per_replica_batch_size(global_batch_size)
             return dataset.unbatch().batch(per_replica, drop_remainder=True)
         dist = strategy.distribute_datasets_from_function(dataset_fn)
-    kernels = [w for w in model.trainable_weights if len(w.shape) >= 2]
-
-    def replica_step(xb, yb):
-        with tf.GradientTape() as tape:
-            per_example = loss_fn(yb, model(xb, training=True))
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
-            if l2:
-                loss += tf.nn.scale_regularization_loss(
-                    l2 * tf.add_n([tf.reduce_sum(tf.square(k)) for k in kernels]))
-        grads = tape.gradient(loss, model.trainable_weights)
-        optimizer.apply_gradients(zip(grads, model.trainable_weights, strict=True))
-        return loss
-
-    @tf.function
-    def step(batch):
-        per_replica = strategy.run(replica_step, args=batch)
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+    step = make_mirrored_step(strategy, model, loss_fn, optimizer, global_batch_size, l2)
 
     losses = []
     for batch in dist:

@@ -46,6 +46,56 @@ def test_fit_recovers_a_line():
         cost.fit_alpha_beta([1.0, 2.0], [2.0, 1.0])
 
 
+def test_joint_fit_recovers_call_alpha_and_bandwidth():
+    # n = 4: one_device 2 steps / 6 S, tree 4 / 8 S, ring 6 / 1.5 S (terms by hand above);
+    # times made from call 1 ms, alpha 0.1 ms, 1 GB/s
+    pts = [(alg, 4, s, 1e-3 + st * 1e-4 + f * s / 1e9)
+           for alg, st, f in (("one_device", 2, 6), ("tree", 4, 8), ("ring", 6, 1.5))
+           for s in (1e3, 1e5, 1e7)]
+    fit = cost.fit_steps_bytes(pts)
+    assert fit[:3] == pytest.approx((1e-3, 1e-4, 1e9)) and fit.rel_error < 1e-9
+    # the same times read as a shared medium (factor 2 (n-1) = 6 for all three) fit worse
+    assert cost.fit_steps_bytes(pts, medium="shared").rel_error > 0.05
+    # a model without any call cost: the negative intercept a noisy fit wants is held at 0
+    pts = [(alg, 4, s, st * 1e-4 + f * s / 1e9) for alg, st, f in
+           (("tree", 4, 8), ("ring", 6, 1.5)) for s in (1e3, 1e7)]
+    pts[0] = ("tree", 4, 1e3, 0.9 * pts[0][3])
+    call, alpha, bw, _ = cost.fit_steps_bytes(pts)
+    assert call == 0.0 and alpha > 0 and bw > 0
+    with pytest.raises(ValueError, match="two algorithms"):
+        cost.fit_steps_bytes([("ring", 4, 1e3, 1.0), ("ring", 4, 1e4, 2.0)])
+    with pytest.raises(ValueError, match="must be"):
+        cost.fit_steps_bytes([("ring", 4, 1e3)])
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        cost.fit_steps_bytes([("star", 4, 1e3, 1.0)] * 3)
+
+
+def test_shared_medium_counts_every_byte_sent():
+    # total bytes sent, from the counting module (chapter 09), over S: the shared factor
+    from accel.collectives import all_reduce_bytes_per_device
+
+    for n in (2, 4, 8):
+        for alg in cost.ALGORITHMS:
+            total = sum(all_reduce_bytes_per_device(1024 * n, n, alg, 4)) / (1024 * n)
+            assert cost.terms(alg, n, "shared") == (cost.terms(alg, n)[0], total)
+    # same bytes, fewer steps: on a shared medium tree and one_device never lose to the ring
+    assert cost.crossover_bytes("tree", "ring", 4, 1e-3, 1e8, "shared") == math.inf
+    assert cost.crossover_bytes("one_device", "ring", 4, 1e-3, 1e8, "shared") == math.inf
+    with pytest.raises(ValueError, match="medium must be one of"):
+        cost.terms("ring", 4, "ether")
+
+
+def test_measured_crossover_by_hand():
+    # a faster at 1e3 (ratio 1/2), slower at 1e5 (ratio 2): log ratio crosses 0 half-way in
+    # log size, at 1e4
+    assert cost.measured_crossover([1e3, 1e5], [1.0, 4.0], [2.0, 2.0]) == pytest.approx(1e4)
+    assert cost.measured_crossover([1e5, 1e3], [4.0, 1.0], [2.0, 2.0]) == pytest.approx(1e4)
+    assert cost.measured_crossover([1e3, 1e5], [3.0, 4.0], [2.0, 2.0]) == 0.0
+    assert cost.measured_crossover([1e3, 1e5], [1.0, 1.0], [2.0, 2.0]) == math.inf
+    with pytest.raises(ValueError, match="equally many"):
+        cost.measured_crossover([1e3], [1.0, 2.0], [1.0])
+
+
 def test_parameter_servers_packing_local_sgd_overlap_by_hand():
     # 16 workers, 100 bytes, 1 byte/s, no latency: 1 ps carries 1600 each way
     assert cost.sharded_ps_time(100, 16, 1, 0.0, 1.0) == 3200

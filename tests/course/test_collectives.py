@@ -1,10 +1,13 @@
 """Chapter 11's experiments: the exercises' solutions, TensorFlow's implementations on the
 same tensors, bytes tables, and the all-reduce across real processes (slow)."""
 
+import math
+
 import numpy as np
 import pytest
 
 from accel import collectives
+from accel.costmodel import collectives as cost
 from accel.course import allreduce_procs
 from accel.course import collectives as course
 
@@ -33,11 +36,44 @@ def test_tf_implementations_and_bytes_table(four_devices):
     assert rows[1][1] == [3 * 36, 36, 36, 36]  # through device 0: (n - 1) S, then S
 
 
+def test_tf_packing_counts_the_collectives_tensorflow_launched(four_devices):
+    """64 gradients of 1 KiB: bytes_per_pack=1 closes a pack after every tensor (64); 16 KiB
+    closes one once it holds more than 16 KiB, i.e. 17 tensors (17, 17, 17, 13: 4); 0 is
+    TF's default, one pack in a tf.function (1). Sums are checked against NumPy inside."""
+    packed = course.tf_packing(four_devices, tensors=64, size=256, repeat=1)
+    assert {p: calls for p, (_, calls) in packed.items()} == {1: 64, 16384: 4, 0: 1}
+    assert all(t > 0 for t, _ in packed.values())
+
+
 @pytest.mark.slow
 def test_process_sweep_sums_correctly_and_ends_its_processes():
-    """Both all-reduces across 2 processes check their sums inside (a wrong sum raises)."""
-    result = allreduce_procs.sweep(2, [4096, 65536], repeat=1, timeout=200)
+    """Both all-reduces (and the hand one_device) across 2 processes check their sums inside,
+    after chained all-reduces (a wrong sum raises)."""
+    result = allreduce_procs.sweep(2, [4096, 65536], repeat=1, timeout=200, chain=2,
+                                   others=("one_device",))
     assert result["sizes"] == [4096, 65536] and result["workers"] == 2
+    assert result["chain"] == 2
     assert len(result["hand"]) == len(result["tf_ring"]) == 2
+    assert len(result["others"]["one_device"]) == 2
     lines, ratios = allreduce_procs.process_lines(result)
     assert set(ratios) == {4096, 65536} and len(lines) == 5
+
+
+def test_crossover_lines_on_times_made_from_the_model():
+    """Times made from the links model (n = 4, call 1 ms, alpha 1 ms, 100 MB/s): the fit finds
+    it again, and both the predicted and the measured crossover land where the model puts
+    them (tree vs ring: 2 alpha bw / 6.5 = 30.8 KB; the measured one interpolates between
+    sizes, so within the grid's step)."""
+    sizes = [2 ** k for k in range(10, 24)]
+    model = {alg: [1e-3 + cost.allreduce_time(s, 4, alg, 1e-3, 1e8) for s in sizes]
+             for alg in ("ring", "tree")}
+    result = {"workers": 4, "sizes": sizes, "chain": 1, "hand": model["ring"],
+              "others": {"tree": model["tree"]}}
+    lines, checked = allreduce_procs.crossover_lines(result)
+    fit, crossings = checked["links"]
+    assert fit[:3] == pytest.approx((1e-3, 1e-3, 1e8))
+    predicted, measured = crossings["tree"]
+    assert predicted == pytest.approx(2e-3 * 1e8 / 6.5)
+    assert predicted / 2 < measured < predicted * 2
+    assert checked["shared"][1]["tree"][0] == math.inf  # equal bytes: the ring never wins
+    assert any("predicted 30.0 KiB" in line for line in lines)
