@@ -3,7 +3,10 @@
 
 * ``pack_buckets(sizes, pack_bytes)``: the decision rule, pure: which tensors (by index, in
   order) go into which bucket, each bucket at most ``pack_bytes`` unless one tensor alone is
-  bigger. ``pack_bytes=0`` keeps one tensor per bucket.
+  bigger. ``pack_bytes=0`` keeps one tensor per bucket. (TensorFlow's
+  ``CommunicationOptions(bytes_per_pack=...)`` follows another rule, ``group_by_size`` in
+  ``tensorflow/python/distribute/cross_device_utils.py``: a pack closes once it holds MORE than
+  ``bytes_per_pack``, and ``0`` means one pack for all, inside a ``tf.function``.)
 * ``packed_all_reduce(per_device, devices, pack_bytes, algorithm)``: ``per_device[i]`` is the
   list of tensors on device ``i`` (the same shapes on every device); each bucket is flattened,
   concatenated, all-reduced once and cut back. Returns the reduced lists and the number of

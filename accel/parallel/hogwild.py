@@ -108,7 +108,8 @@ def run_workers(target: Callable, args_per_worker: Sequence[tuple], stop: Callab
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            while t.is_alive():  # short waits: a SIGINT delivered to another thread of the
+                t.join(0.05)     # process only reaches Python when the main thread wakes up
     finally:
         stop()
         for t in (t for t in threads if t.is_alive()):
