@@ -26,7 +26,7 @@ BENCH_DEVICES = 4
 
 # name -> ("module:function", one-line description)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "allreduce": ("accel.course.collectives:bench",
+    "allreduce": ("accel.course.allreduce_bench:bench",
                   "hand ring vs TF's RING across processes; ring vs one device vs TF in one "
                   "process; packed; float16; bytes vs formulas (chapter 11)"),
     "cluster": ("accel.course.clusters:bench",

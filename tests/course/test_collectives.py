@@ -8,7 +8,7 @@ import pytest
 
 from accel import collectives
 from accel.costmodel import collectives as cost
-from accel.course import allreduce_procs
+from accel.course import allreduce_procs, traffic
 from accel.course import collectives as course
 
 
@@ -40,7 +40,7 @@ def test_tf_packing_counts_the_collectives_tensorflow_launched(four_devices):
     """64 gradients of 1 KiB: bytes_per_pack=1 closes a pack after every tensor (64); 16 KiB
     closes one once it holds more than 16 KiB, i.e. 17 tensors (17, 17, 17, 13: 4); 0 is
     TF's default, one pack in a tf.function (1). Sums are checked against NumPy inside."""
-    packed = course.tf_packing(four_devices, tensors=64, size=256, repeat=1)
+    packed = traffic.tf_packing(four_devices, tensors=64, size=256, repeat=1)
     assert {p: calls for p, (_, calls) in packed.items()} == {1: 64, 16384: 4, 0: 1}
     assert all(t > 0 for t, _ in packed.values())
 
