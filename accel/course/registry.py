@@ -27,8 +27,9 @@ BENCH_DEVICES = 4
 # name -> ("module:function", one-line description)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "allreduce": ("accel.course.allreduce_bench:bench",
-                  "hand ring vs TF's RING across processes; ring vs one device vs TF in one "
-                  "process; packed; float16; bytes vs formulas (chapter 11)"),
+                  "hand ring vs TF's RING across processes; the alpha-beta model's crossovers "
+                  "on 4 processes; in one process ring vs one device vs TF; packed; float16; "
+                  "bytes vs formulas (chapter 11)"),
     "cluster": ("accel.course.clusters:bench",
                 "start-up of 1 ps + 2 workers; the four replication combinations (chapter 10)"),
     "copy-cost": ("accel.course.copy_cost:bench",
