@@ -16,7 +16,9 @@ costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, 
              accel.costmodel.model_parallel    naive model parallelism on GPUs: step, idle (07)
              accel.costmodel.pipeline (08)     pipeline step, bubble, transformer activations
              accel.costmodel.tensor_parallel   when tensor parallelism pays; Megatron's scaling (09)
-             accel.costmodel.collectives (11)  alpha-beta all-reduce model, bus bandwidth, fits
+             accel.costmodel.collectives (11)  alpha-beta all-reduce model (separate links or one
+                                               shared machine), bus bandwidth
+             accel.costmodel.fit (11)          that model fitted to timings; measured crossovers
              accel.costmodel.zero (12)         ZeRO bytes held and sent per device; offload verdict
              accel.costmodel.planner (12)      memory per GPU and step time of a d x t x p plan
              accel.costmodel.plans (12)        every plan enumerated, the ones that fit ranked

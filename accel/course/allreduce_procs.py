@@ -35,6 +35,7 @@ import numpy as np
 
 from accel import timing
 from accel.costmodel import collectives as cost
+from accel.costmodel import fit as fitting
 from accel.distributed.cluster import LocalCluster, make_cluster, tf_config
 from accel.procs import ChildFailed, run_python, start_python
 
@@ -181,7 +182,7 @@ def process_lines(result: dict) -> tuple[list[str], dict]:
                      f"{ratios[s]:.2f}x")
     for name in ("hand", "tf_ring"):
         try:
-            a, bw = cost.fit_alpha_beta(result["sizes"], result[name])
+            a, bw = fitting.fit_alpha_beta(result["sizes"], result[name])
         except ValueError:
             lines.append(f"alpha-beta fit ({name}): none (time did not grow with size)")
             continue
@@ -208,28 +209,30 @@ def crossover_lines(result: dict) -> tuple[list[str], dict]:
                                                        for t in times.values()))
     checked = {}
     for medium in cost.MEDIA:
-        fit = cost.fit_steps_bytes([(alg, n, s, t) for alg, ts in times.items()
+        fit = fitting.fit_steps_bytes([(alg, n, s, t) for alg, ts in times.items()
                                     for s, t in zip(sizes, ts, strict=True)], medium)
-        lines.append(f"model, {medium:6} medium: {fit.call * 1e3:.2f} ms per call + "
-                     f"{fit.alpha * 1e3:.3f} ms per step + bytes / {fit.bandwidth / 1e6:.0f} MB/s,"
-                     f" relative error {fit.rel_error:.0%}")
+        unit = "step" if medium == "links" else "message"
+        lines.append(f"model, {medium:6} medium: {fit.call * 1e3:.2f} ms + {fit.alpha * 1e3:.3f} ms"
+                     f" per {unit} + bytes / {fit.bandwidth / 1e6:.0f} MB/s, relative error "
+                     f"{fit.rel_error:.0%}")
         checked[medium] = (fit, {})
         for alg in result["others"]:
             predicted = (cost.crossover_bytes(alg, "ring", n, fit.alpha, fit.bandwidth, medium)
                          if fit.alpha > 0 else 0.0)
-            measured = cost.measured_crossover(sizes, times[alg], times["ring"])
+            measured = fitting.measured_crossover(sizes, times[alg], times["ring"])
             checked[medium][1][alg] = (predicted, measured)
-            lines.append(f"  {alg} faster than the ring below: predicted {_fmt_bytes(predicted)},"
-                         f" measured {_fmt_bytes(measured)}")
+            lines.append(f"  {alg} faster than the ring: predicted {_fmt_below(predicted)}, "
+                         f"measured {_fmt_below(measured)}")
     return lines, checked
 
 
-def _fmt_bytes(nbytes: float) -> str:
+def _fmt_below(nbytes: float) -> str:
     if nbytes == math.inf:
-        return "every size"
+        return "at every size"
     if nbytes == 0:
-        return "no size"
-    return f"{nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.1f} KiB"
+        return "at no size"
+    return (f"below {nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20
+            else f"below {nbytes / 1024:.1f} KiB")
 
 
 def figure_loopback(result: dict):
@@ -243,7 +246,7 @@ def figure_loopback(result: dict):
         t = np.array(result[name])
         ax.semilogx(sizes, sizes / t / 1e6, "o", color=color, label=f"{name} measured")
         try:
-            a, bw = cost.fit_alpha_beta(sizes, t)
+            a, bw = fitting.fit_alpha_beta(sizes, t)
         except ValueError:
             continue
         grid = np.logspace(np.log10(sizes[0]), np.log10(sizes[-1]), 50)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from accel.costmodel import collectives as cost
+from accel.costmodel import fit as fitting
 
 
 def test_terms_by_hand():
@@ -30,20 +31,20 @@ def test_times_crossover_and_bandwidths_by_hand():
 
 def test_fit_recovers_a_line():
     sizes = np.array([4e3, 6.4e4, 1e6, 1.6e7])
-    a, bw = cost.fit_alpha_beta(sizes, 2e-3 + sizes / 5e8)
+    a, bw = fitting.fit_alpha_beta(sizes, 2e-3 + sizes / 5e8)
     assert a == pytest.approx(2e-3) and bw == pytest.approx(5e8)
     # relative error: the small sizes fix alpha even when a big one is off by 20%
-    a, bw = cost.fit_alpha_beta(sizes, 2e-3 + sizes / 5e8 * np.array([1, 1, 1, 1.2]))
+    a, bw = fitting.fit_alpha_beta(sizes, 2e-3 + sizes / 5e8 * np.array([1, 1, 1, 1.2]))
     assert a == pytest.approx(2e-3, rel=0.05)
     # noise that would make the intercept negative: clipped to 0, bandwidth through the origin
-    a, bw = cost.fit_alpha_beta([1e6, 2e6], [1e-3, 3e-3])
+    a, bw = fitting.fit_alpha_beta([1e6, 2e6], [1e-3, 3e-3])
     # (the line through both points has alpha = -1 ms); by hand: bw = sum(x^2/t^2) / sum(x/t)
     # = (1e18 + 4e18/9) / (1e9 + 2e9/3) = 13e9/15
     assert a == 0.0 and bw == pytest.approx(13e9 / 15)
     with pytest.raises(ValueError, match="at least 2"):
-        cost.fit_alpha_beta([1.0], [1.0])
+        fitting.fit_alpha_beta([1.0], [1.0])
     with pytest.raises(ValueError, match="does not grow"):
-        cost.fit_alpha_beta([1.0, 2.0], [2.0, 1.0])
+        fitting.fit_alpha_beta([1.0, 2.0], [2.0, 1.0])
 
 
 def test_joint_fit_recovers_call_alpha_and_bandwidth():
@@ -52,33 +53,39 @@ def test_joint_fit_recovers_call_alpha_and_bandwidth():
     pts = [(alg, 4, s, 1e-3 + st * 1e-4 + f * s / 1e9)
            for alg, st, f in (("one_device", 2, 6), ("tree", 4, 8), ("ring", 6, 1.5))
            for s in (1e3, 1e5, 1e7)]
-    fit = cost.fit_steps_bytes(pts)
+    fit = fitting.fit_steps_bytes(pts)
     assert fit[:3] == pytest.approx((1e-3, 1e-4, 1e9)) and fit.rel_error < 1e-9
     # the same times read as a shared medium (factor 2 (n-1) = 6 for all three) fit worse
-    assert cost.fit_steps_bytes(pts, medium="shared").rel_error > 0.05
+    assert fitting.fit_steps_bytes(pts, medium="shared").rel_error > 0.05
     # a model without any call cost: the negative intercept a noisy fit wants is held at 0
     pts = [(alg, 4, s, st * 1e-4 + f * s / 1e9) for alg, st, f in
            (("tree", 4, 8), ("ring", 6, 1.5)) for s in (1e3, 1e7)]
     pts[0] = ("tree", 4, 1e3, 0.9 * pts[0][3])
-    call, alpha, bw, _ = cost.fit_steps_bytes(pts)
+    call, alpha, bw, _ = fitting.fit_steps_bytes(pts)
     assert call == 0.0 and alpha > 0 and bw > 0
     with pytest.raises(ValueError, match="two algorithms"):
-        cost.fit_steps_bytes([("ring", 4, 1e3, 1.0), ("ring", 4, 1e4, 2.0)])
+        fitting.fit_steps_bytes([("ring", 4, 1e3, 1.0), ("ring", 4, 1e4, 2.0)])
     with pytest.raises(ValueError, match="must be"):
-        cost.fit_steps_bytes([("ring", 4, 1e3)])
+        fitting.fit_steps_bytes([("ring", 4, 1e3)])
     with pytest.raises(ValueError, match="algorithm must be one of"):
-        cost.fit_steps_bytes([("star", 4, 1e3, 1.0)] * 3)
+        fitting.fit_steps_bytes([("star", 4, 1e3, 1.0)] * 3)
 
 
-def test_shared_medium_counts_every_byte_sent():
+def test_shared_medium_counts_every_message_and_byte_sent():
     # total bytes sent, from the counting module (chapter 09), over S: the shared factor
     from accel.collectives import all_reduce_bytes_per_device
 
+    messages = {  # by hand: all messages of all devices
+        "one_device": lambda n: 2 * (n - 1),   # n-1 to the root, n-1 back
+        "direct": lambda n: n * (n - 1),       # every device to every other
+        "ring": lambda n: 2 * (n - 1) * n,     # 2 (n-1) steps, every device sends in each
+        "tree": lambda n: 2 * (n - 1),         # every non-root: one up, one down
+    }
     for n in (2, 4, 8):
         for alg in cost.ALGORITHMS:
             total = sum(all_reduce_bytes_per_device(1024 * n, n, alg, 4)) / (1024 * n)
-            assert cost.terms(alg, n, "shared") == (cost.terms(alg, n)[0], total)
-    # same bytes, fewer steps: on a shared medium tree and one_device never lose to the ring
+            assert cost.terms(alg, n, "shared") == (messages[alg](n), total)
+    # same bytes, fewer messages: on a shared medium tree and one_device never lose to the ring
     assert cost.crossover_bytes("tree", "ring", 4, 1e-3, 1e8, "shared") == math.inf
     assert cost.crossover_bytes("one_device", "ring", 4, 1e-3, 1e8, "shared") == math.inf
     with pytest.raises(ValueError, match="medium must be one of"):
@@ -88,12 +95,12 @@ def test_shared_medium_counts_every_byte_sent():
 def test_measured_crossover_by_hand():
     # a faster at 1e3 (ratio 1/2), slower at 1e5 (ratio 2): log ratio crosses 0 half-way in
     # log size, at 1e4
-    assert cost.measured_crossover([1e3, 1e5], [1.0, 4.0], [2.0, 2.0]) == pytest.approx(1e4)
-    assert cost.measured_crossover([1e5, 1e3], [4.0, 1.0], [2.0, 2.0]) == pytest.approx(1e4)
-    assert cost.measured_crossover([1e3, 1e5], [3.0, 4.0], [2.0, 2.0]) == 0.0
-    assert cost.measured_crossover([1e3, 1e5], [1.0, 1.0], [2.0, 2.0]) == math.inf
+    assert fitting.measured_crossover([1e3, 1e5], [1.0, 4.0], [2.0, 2.0]) == pytest.approx(1e4)
+    assert fitting.measured_crossover([1e5, 1e3], [4.0, 1.0], [2.0, 2.0]) == pytest.approx(1e4)
+    assert fitting.measured_crossover([1e3, 1e5], [3.0, 4.0], [2.0, 2.0]) == 0.0
+    assert fitting.measured_crossover([1e3, 1e5], [1.0, 1.0], [2.0, 2.0]) == math.inf
     with pytest.raises(ValueError, match="equally many"):
-        cost.measured_crossover([1e3], [1.0, 2.0], [1.0])
+        fitting.measured_crossover([1e3], [1.0, 2.0], [1.0])
 
 
 def test_parameter_servers_packing_local_sgd_overlap_by_hand():
