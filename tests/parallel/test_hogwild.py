@@ -113,11 +113,18 @@ def test_an_interrupt_returns_at_once_and_leaves_no_thread(problem, four_devices
         sent.append(time.monotonic())
         os.kill(os.getpid(), signal.SIGINT)
 
+    # Python turns SIGINT into KeyboardInterrupt only if SIGINT was not ignored when it started;
+    # a shell's background job (`make test &`, some CI runners) starts with it ignored, and the
+    # run below would then go on for its 10**6 steps. Install Python's own handler for the test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Thread(target=interrupt_once_the_workers_run)
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        ps.train(mode, **problem, workers=four_devices[1:], ps_device=four_devices[0],
-                 steps=10**6, batch_size=BATCH, optimizer=0.001, step_time=0.01)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ps.train(mode, **problem, workers=four_devices[1:], ps_device=four_devices[0],
+                     steps=10**6, batch_size=BATCH, optimizer=0.001, step_time=0.01)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - sent[0] < 10
     timer.join()
     deadline = time.monotonic() + 5
