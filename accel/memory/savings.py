@@ -100,10 +100,12 @@ def _stats_available() -> bool:
     return True
 
 
-def measure_variants_anywhere(**kwargs) -> dict[str, dict[str, float]]:
+def measure_variants_anywhere(fresh: bool = False, **kwargs) -> dict[str, dict[str, float]]:
     """``measure_variants(**kwargs)`` here if the allocator reports statistics, else in a fresh
-    Python started with ``TF_CPU_ALLOCATOR_USE_BFC=true`` (e.g. from ``python -m accel``)."""
-    if _stats_available():
+    Python started with ``TF_CPU_ALLOCATOR_USE_BFC=true`` (e.g. from ``python -m accel``).
+    ``fresh=True`` always uses a fresh Python: small tensors come from chunks the allocator
+    pooled earlier, so a peak measured after other work depends on that work."""
+    if _stats_available() and not fresh:
         return measure_variants(**kwargs)
     code = ("import json\nfrom accel.memory import savings as s\n"
             f"print(json.dumps(s.measure_variants(**{kwargs!r})))")

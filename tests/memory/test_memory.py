@@ -185,7 +185,10 @@ def test_recompute_and_half_precision_gradients_match():
 
 
 def test_measure_variants_recompute_saves_memory():
-    res = memory_savings.measure_variants(batch=256, blocks=4, width=32, repeat=1)
+    # in a fresh process: after the rest of the suite, pooled chunks blur small peaks (a full
+    # run once measured float16 0.959 MiB against plain 0.950)
+    res = memory_savings.measure_variants_anywhere(fresh=True, batch=256, blocks=4, width=32,
+                                                   repeat=1)
     assert res["recompute"]["peak_mib"] < res["plain"]["peak_mib"]
     assert res["float16"]["peak_mib"] < res["plain"]["peak_mib"]
 
