@@ -42,7 +42,7 @@ execute: $(STAMP)  ## re-run notebooks in place (NB=chapters/01_devices.ipynb fo
 	  PYTEST_CURRENT_TEST=1 ACCEL_SAVE_FIGURES=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.timeout=300 $$nb || exit 1; done
 
-images: $(STAMP)  ## regenerate the figures in images/ from code (FIG=06_scaling.png for one)
+images: $(STAMP)  ## regenerate the figures in images/ from code (FIG=07_scaling.png for one)
 	$(BIN)/python -m accel images --out images $(FIG)
 
 gpu-check: $(STAMP)  ## the GPU paths of chapters 01-06, on a machine with a GPU (skipped without one)

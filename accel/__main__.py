@@ -4,6 +4,8 @@
   python -m accel bench --list             the benchmarks, one per line: name, tab, description
   python -m accel bench NAME [NAME ...]    run benchmarks (or 'all') in one process
   python -m accel images [NAME ...]        redraw the figures in images/
+  python -m accel ceiling [--require X]    this machine's 2-thread ceiling now; with --require,
+                                           exit 1 if it is below X (a busy machine)
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--list", action="store_true", help="list the benchmarks")
     bench.add_argument("--quick", action="store_true", help="a tiny run that checks it works")
     img = sub.add_parser("images", help="regenerate the course figures")
-    img.add_argument("names", nargs="*", help="only these figures, e.g. 06_scaling.png")
+    img.add_argument("names", nargs="*", help="only these figures, e.g. 07_scaling.png")
     img.add_argument("--out", default="images", help="output folder (default: images)")
+    ceil = sub.add_parser("ceiling", help="1-thread / 2-thread matmul time now (2 = two free "
+                          "cores); with --require, fail on a busy machine")
+    ceil.add_argument("--require", type=float, default=None, metavar="X",
+                      help="exit with status 1 if the ceiling is below X")
     args = parser.parse_args(argv)
 
     if args.command == "devices":
@@ -45,6 +51,17 @@ def main(argv: list[str] | None = None) -> int:
             registry.run_all(names, quick=args.quick)
         except ValueError as exc:
             parser.error(str(exc))
+    elif args.command == "ceiling":
+        from accel import timing
+
+        value = timing.ceiling()
+        print(timing.ceiling_line(value))
+        if args.require is not None:
+            try:
+                timing.require_quiet(args.require, value)
+            except RuntimeError as exc:
+                print(exc, file=sys.stderr)
+                return 1
     elif args.command == "images":
         from accel.course import registry
 

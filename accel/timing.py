@@ -2,8 +2,11 @@
 
 Timings on shared machines are noisy; the course therefore reports *ratios measured in the same
 run* and never asserts on a time in a test. A speed-up is read against this machine's own ceiling:
-``thread_ceiling()`` is how much faster a matmul runs on two threads than on one (about 2 on two
-real cores, less where the two "cores" are hyper-threads of one).
+``ceiling()`` is how much faster a matmul runs on two threads than on one, measured in this
+process in about half a second (about 2 on two free cores; near 1 when something else keeps a core
+busy, or where the two "cores" are hyper-threads of one). Every chapter that stores a timing
+prints ``ceiling_line()`` beside it, and ``make execute`` refuses to store outputs when the
+ceiling is below ``QUIET_CEILING``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from collections.abc import Callable
 from accel import checks, procs
 
 __all__ = ["time_fn", "format_ratios", "measure_matmul_tflops", "matmul_seconds_with_threads",
-           "thread_ceiling"]
+           "ceiling", "ceiling_line", "QUIET_CEILING", "CEILING_RANGE", "require_quiet"]
+
+QUIET_CEILING = 1.3  # below this, something else is using the second core
+CEILING_RANGE = (QUIET_CEILING, 2.1)  # above 2.1: noise, or more cores than the outputs claim
 
 
 def time_fn(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
@@ -85,6 +91,43 @@ def matmul_seconds_with_threads(threads: int, n: int = 1024, repeat: int = 5) ->
     return float(seconds)
 
 
-def thread_ceiling(n: int = 1024, repeat: int = 5) -> float:
-    """This machine's ceiling for a 2-way speed-up: 1-thread / 2-thread matmul time."""
-    return matmul_seconds_with_threads(1, n, repeat) / matmul_seconds_with_threads(2, n, repeat)
+def ceiling(n: int = 1024, repeat: int = 9) -> float:
+    """This machine's ceiling for a 2-way speed-up, now: the median time of an ``n`` x ``n``
+    float32 matmul on one BLAS thread over its median on two (NumPy's BLAS, its thread count
+    set per call with ``threadpoolctl``; TensorFlow's own pools are fixed at start-up, so they
+    cannot be switched in a running process). The two settings alternate, ``repeat`` times each
+    after a warm-up, so a load that comes and goes hits both. About 2 on two free cores."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    checks.positive_int("n", n)
+    checks.positive_int("repeat", repeat)
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    times: dict[int, list[float]] = {1: [], 2: []}
+    for k in range(repeat + 2):  # two warm-up rounds: thread start-up, clock ramp
+        for threads in (1, 2):
+            with threadpool_limits(threads, user_api="blas"):
+                start = time.perf_counter()
+                a @ a
+                if k >= 2:
+                    times[threads].append(time.perf_counter() - start)
+    return statistics.median(times[1]) / statistics.median(times[2])
+
+
+def ceiling_line(value: float | None = None) -> str:
+    """``ceiling: 1.83 (1-thread / 2-thread matmul time; 2 = two free cores)``: the one line
+    of this form a chapter stores beside its timings (measured now unless ``value`` is given)."""
+    value = ceiling() if value is None else value
+    return f"ceiling: {value:.2f} (1-thread / 2-thread matmul time; 2 = two free cores)"
+
+
+def require_quiet(minimum: float = QUIET_CEILING, value: float | None = None) -> float:
+    """The ceiling now (or ``value``); a ``RuntimeError`` saying what was measured and what is
+    needed if it is below ``minimum``: outputs stored now would carry a busy machine's times."""
+    value = ceiling() if value is None else value
+    if value < minimum:
+        raise RuntimeError(
+            f"this machine is busy: ceiling {value:.2f} (1-thread / 2-thread matmul time), "
+            f"needs >= {minimum:g} to store timings (2 = two free cores). Stop other work "
+            "(tests, notebooks, helpers) and re-run.")
+    return value

@@ -1,9 +1,10 @@
-"""The package's shape: every module imports on its own, imports point one way (down the
-layers listed in accel/__init__), there is no import cycle, the library never calls setup(),
-the built wheel carries every subpackage, and every benchmark runs in one process."""
+"""The package's shape: imports point one way (down the layers listed in accel/__init__),
+there is no import cycle (both read statically from the import graph), every module imports in
+a fresh interpreter (in two orders), the library never calls setup(), the built wheel carries
+every subpackage, and every benchmark runs in one process. Modules are cut by idea, not by
+length: there is no line limit."""
 
 import ast
-import concurrent.futures
 import pkgutil
 import subprocess
 import sys
@@ -99,7 +100,7 @@ def test_no_import_cycle():
 
 def test_library_hygiene():
     """No setup() call outside the course layer, no private names imported across modules, no
-    imports below code, an __all__ in every module, none over ~300 lines."""
+    imports below code, an __all__ in every module."""
     for m in modules():
         text = path_of(m).read_text()
         tree = ast.parse(text)
@@ -112,21 +113,27 @@ def test_library_hygiene():
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{m} imports private {private} from {node.module}"
         assert "noqa: E402" not in text, m
-        assert len(text.splitlines()) <= 300, f"{m}: {len(text.splitlines())} lines"
         if not path_of(m).name == "__init__.py" and m != "accel.__main__":
             assert "__all__" in text, f"{m} has no __all__"
 
 
-@pytest.mark.slow
-def test_every_module_imports_first_in_a_fresh_interpreter():
-    def child(name):
-        proc = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True,
-                              text=True, timeout=300, check=False)
-        return name, proc.returncode, proc.stderr[-1500:]
+IMPORT_ALL = """import importlib
+for name in {names!r}:
+    importlib.import_module(name)  # an error fails the child, its traceback names the module
+print("imported", len({names!r}))
+"""
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        failed = [(n, err) for n, rc, err in pool.map(child, modules()) if rc != 0]
-    assert failed == [], failed
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["sorted", "reversed"])
+def test_every_module_imports_in_a_fresh_interpreter(order):
+    """One fresh interpreter imports every module in turn: an error at import time fails here.
+    Sorted, parents come before their children; reversed, the top of the layers comes first
+    and pulls in what it needs (a module that only works after another one was imported fails
+    in one of the two orders; cycles are caught statically above)."""
+    names = modules() if order == "sorted" else modules()[::-1]
+    out = run_python(IMPORT_ALL.format(names=names), timeout=300)
+    assert out.strip().splitlines()[-1] == f"imported {len(names)}"
 
 
 @pytest.mark.slow

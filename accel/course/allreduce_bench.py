@@ -76,7 +76,6 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
                 lines += allreduce_procs.crossover_lines(result)[0]
         lines.append(f"goal: hand ring within 1.1x of TF's RING at every size >= 1 MiB -> "
                      f"worst {worst:.2f}x ({'met' if worst <= 1.1 else 'NOT met'})")
-    lines.append("this machine's 2-thread vs 1-thread matmul ceiling: "
-                 f"{timing.thread_ceiling():.2f}x (virtual CPUs share the cores)")
+    lines.append(timing.ceiling_line() + "; virtual CPUs share these cores")
     print("\n".join(lines))
     return out

@@ -202,8 +202,8 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
               f"{max(gpipe[m]['peak_stash']):>11d}/{max(ofob[m]['peak_stash'])}  "
               f"{gpipe[m]['one_device_s'] / gpipe[m]['step_s']:19.2f}x / "
               f"{gpipe[m]['whole_batch_s'] / gpipe[m]['step_s']:.2f}x")
-    ceiling = timing.thread_ceiling(n=256 if quick else 1024)
-    print(f"this machine's ceiling (1-thread / 2-thread matmul time): {ceiling:.2f}x")
+    ceiling = timing.ceiling()
+    print(timing.ceiling_line(ceiling))
     return {"gpipe": gpipe, "1f1b": ofob, "ceiling": ceiling}
 
 

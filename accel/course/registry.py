@@ -62,12 +62,12 @@ FIGURES: dict[str, str] = {
     "01_devices.png": "accel.course.diagrams:figure_devices",
     "02_placement.png": "accel.course.diagrams:figure_placement",
     "03_kernels.png": "accel.course.diagrams:figure_kernels",
-    "08_schedules.png": "accel.course.pipeline:figure_schedules",
-    "09_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",
-    "09_tp_cost.png": "accel.course.tensor_parallel:figure_tp_cost",
-    "11_alpha_beta.png": "accel.course.collectives:figure_alpha_beta",
-    "12_planner_terms.png": "accel.course.planner:figure_terms",
-    "12_zero_memory.png": "accel.course.zero:figure_zero_memory",
+    "10_schedules.png": "accel.course.pipeline:figure_schedules",
+    "11_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",
+    "11_tp_cost.png": "accel.course.tensor_parallel:figure_tp_cost",
+    "13_alpha_beta.png": "accel.course.collectives:figure_alpha_beta",
+    "16_planner_terms.png": "accel.course.planner:figure_terms",
+    "15_zero_memory.png": "accel.course.zero:figure_zero_memory",
 }
 
 

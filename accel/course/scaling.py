@@ -7,7 +7,7 @@ one device), and the batch-size side (the linear scaling rule tried on a toy pro
 * ``format_scaling(results)``: that as a table of step times and ratios;
 * ``bench_towers()``: the ``python -m accel bench towers`` report (ratios for 2 and 4 devices);
 * ``figure_scaling(results)``: the plot of ``measure_scaling`` (the chapter saves it as the
-  measured ``images/06_scaling.png``);
+  measured ``images/07_scaling.png``);
 * ``final_loss``: the loss a batch size and learning rate reach (the linear scaling rule tried);
 * ``check_update_scale``, ``check_compute_for_80``, ``check_parallel_calls``: the exercises.
 

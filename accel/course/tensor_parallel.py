@@ -165,8 +165,7 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     worst = max(v for k, v in out.items() if "dtensor" in k)
     lines.append(f"goal: by hand within 1.1x of DTensor -> worst {worst:.2f} "
                  f"({'met' if worst <= 1.1 else 'NOT met'})")
-    lines.append("this machine's 2-thread vs 1-thread matmul ceiling: "
-                 f"{timing.thread_ceiling():.2f}x (virtual CPUs share the cores)")
+    lines.append(timing.ceiling_line() + "; virtual CPUs share these cores")
     print("\n".join(lines))
     return out
 

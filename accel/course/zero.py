@@ -102,8 +102,7 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
             same = low == high == want
             lines.append(f"n={n} {name:6} bytes sent per device per step: counted {low}..{high}"
                          f", formula {want:.0f} ({'equal' if same else 'DIFFERENT'})")
-    lines.append("this machine's 2-thread vs 1-thread matmul ceiling: "
-                 f"{timing.thread_ceiling():.2f}x (virtual CPUs share the cores)")
+    lines.append(timing.ceiling_line() + "; virtual CPUs share these cores")
     print("\n".join(lines))
     return out
 
