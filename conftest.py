@@ -1,4 +1,5 @@
-"""Project-wide pytest hooks: how nbval compares the chapters."""
+"""Project-wide pytest hooks: how nbval compares the chapters, and what keeps two pytest-xdist
+workers (``make test`` runs two) out of each other's way and busy to the end."""
 
 import os
 
@@ -6,8 +7,31 @@ import os
 os.environ.setdefault("PYTEST_CURRENT_TEST", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# Each xdist worker (gw0, gw1, ...) and everything it starts (cluster processes, notebook
+# kernels) picks TCP ports from its own range, so two workers never choose the same free port
+# between choosing and binding it (accel.distributed.cluster.free_ports). The ranges lie below
+# Linux's ephemeral ports (32768+), which the OS hands to outgoing connections.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and _worker[2:].isdigit():
+    _base = 20000 + 1500 * int(_worker[2:])
+    os.environ.setdefault("ACCEL_PORT_RANGE", f"{_base}-{_base + 1499}")
 
 def pytest_collectstart(collector):
     """stderr (TensorFlow's C++ log lines, CUDA probing) is not part of a chapter's result."""
     if collector.fspath and collector.fspath.ext == ".ipynb":
         collector.skip_compare += ("stderr",)
+
+def pytest_collection_modifyitems(config, items):
+    """For ``pytest -n 2 --dist loadfile`` (a file's tests, a notebook's cells, stay on one
+    worker, in order): files holding multi-process tests, and notebooks, go first, so the long
+    ones start early and short ones fill in at the end. (``--dist loadgroup`` would allow
+    groups across files, but pytest-xdist 3.8 stops grouping under pytest 9.2's node ids:
+    pytest-dev/pytest-xdist#1386.)"""
+
+    def file_of(item):
+        return item.nodeid.split("::")[0]
+
+    long_files = {file_of(i) for i in items
+                  if i.get_closest_marker("slow") or file_of(i).endswith(".ipynb")}
+    order = {id(item): k for k, item in enumerate(items)}
+    items.sort(key=lambda i: (file_of(i) not in long_files, order[id(i)]))

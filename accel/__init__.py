@@ -5,79 +5,81 @@ list (a test enforces it), so the library never depends on the course's experime
 
 layer        module (chapter)                  idea
 plumbing     accel.checks (all)                argument checks: ValueError naming the value
-             accel.procs (all)                 the one runner of fresh Python processes
-             accel.timing (all)                medians, ratio tables, matmul speed, thread ceiling
+             accel.procs (all)                 the one runner of fresh Python processes, warm
+                                               starts from a template that imported TF
+             accel.timing (all)                medians, ratio tables, matmul speed, the ceiling
+                                               (1-thread / 2-thread matmul time) of a run
              accel.data (all)                  synthetic, learnable data sets
              accel.models (all)                a tiny MLP as plain variables and as a Keras model
              accel.training (all)              per-example losses, learning rate or optimizer
              accel.viz (all)                   generic plots: bars, curves, timelines
 costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, with sources
-             accel.costmodel.steps (01-06)     FLOPs of a run, copy times, data-parallel step time
-             accel.costmodel.model_parallel    naive model parallelism on GPUs: step, idle (07)
-             accel.costmodel.pipeline (08)     pipeline step, bubble, transformer activations
-             accel.costmodel.tensor_parallel   when tensor parallelism pays; Megatron's scaling (09)
-             accel.costmodel.collectives (11)  alpha-beta all-reduce model (separate links or one
+             accel.costmodel.steps (01-07)     FLOPs of a run, copy times, data-parallel step time
+             accel.costmodel.model_parallel    naive model parallelism on GPUs: step, idle (09)
+             accel.costmodel.pipeline (10)     pipeline step, bubble, transformer activations
+             accel.costmodel.tensor_parallel   when tensor parallelism pays; Megatron's scaling (11)
+             accel.costmodel.collectives (13)  alpha-beta all-reduce model (separate links or one
                                                shared machine), bus bandwidth
-             accel.costmodel.fit (11)          that model fitted to timings; measured crossovers
-             accel.costmodel.zero (12)         ZeRO bytes held and sent per device; offload verdict
-             accel.costmodel.planner (12)      memory per GPU and step time of a d x t x p plan
-             accel.costmodel.plans (12)        every plan enumerated, the ones that fit ranked
-             accel.costmodel.megatron_table    the planner vs Narayanan et al. 2021, Table 1 (12)
-part I       accel.devices (01)                device names, physical vs logical devices, setup()
+             accel.costmodel.fit (13)          that model fitted to timings; measured crossovers
+             accel.costmodel.zero (15)         ZeRO bytes held and sent per device; offload verdict
+             accel.costmodel.planner (16)      memory per GPU and step time of a d x t x p plan
+             accel.costmodel.plans (16)        every plan enumerated, the ones that fit ranked
+             accel.costmodel.megatron_table    the planner vs Narayanan et al. 2021, Table 1 (16)
+devices      accel.devices (01)                device names, physical vs logical devices, setup()
              accel.kernels (03)                the kernel registry: op x device type x dtype
              accel.placement (02, 03)          where ops ran (placement_of), device functions,
                                                soft placement, placement logs
              accel.profile (02)                what ran when: step-stats timelines, profiler
                                                traces as tables, C++ log levels
-part II      accel.memory.estimate (04)        training memory estimated per part
+memory       accel.memory.estimate (04)        training memory estimated per part
              accel.memory.measure (04)         what TensorFlow holds: tape tensors, peaks, scratch
              accel.memory.config (04)          TF1 ConfigProto / TF2 GPU memory plans
-             accel.memory.savings (04)         recomputation and mixed precision, measured
-collectives  accel.collectives.base (09-12)   checks, one value per device, collective_op
-             accel.collectives.direct (09-12) all-reduce, all-gather, reduce-scatter,
+             accel.memory.savings (04-05)      recomputation and mixed precision, measured
+collectives  accel.collectives.base (11-15)   checks, one value per device, collective_op
+             accel.collectives.direct (11-15) all-reduce, all-gather, reduce-scatter,
                                                all-to-all by hand, exact placed gradients
              accel.collectives.counting       bytes per device: formulas, and counted from
                                                the graph that ran (sent_bytes)
-             accel.collectives.one_device (11) reduce, broadcast, all-reduce through one device
-             accel.collectives.ring (11)      the ring all-reduce, its schedule as data
-             accel.collectives.tree (11)      the tree all-reduce
-             accel.collectives.packing (11)   buckets of small gradients, float16 compression
-part III     accel.parallel.staleness (05)     the server's decision rules, records, staleness
-             accel.parallel.parameter_server   parameter server + worker threads (05)
-             accel.parallel.hogwild (05)       lock-free workers; lost updates counted
-             accel.parallel.data (06)          data parallelism by hand: the towers recipe
-             accel.parallel.mirrored (06)      the same with MirroredStrategy
-             accel.parallel.strategies (06,11) strategies by name, one custom loop for all
-             accel.parallel.local_sgd (11)     replicas average their weights every k steps
-             accel.parallel.inputs (06)        TFRecord files through tf.data, split per tower
-             accel.parallel.partition (07-08)  cutting layers into balanced parts (pure)
-             accel.parallel.layers (07-08)     a model as a list of layers (fn, arrays) / Keras
-             accel.parallel.model (07)         model parallelism: split, split step (TF2, TF1),
+             accel.collectives.one_device (13) reduce, broadcast, all-reduce through one device
+             accel.collectives.ring (13)      the ring all-reduce, its schedule as data
+             accel.collectives.tree (13)      the tree all-reduce
+             accel.collectives.packing (13)   buckets of small gradients, float16 compression
+parallel     accel.parallel.staleness (06)     the server's decision rules, records, staleness
+             accel.parallel.parameter_server   parameter server + worker threads (06)
+             accel.parallel.hogwild (06)       lock-free workers; lost updates counted
+             accel.parallel.data (07)          data parallelism by hand: the towers recipe
+             accel.parallel.mirrored (07)      the same with MirroredStrategy
+             accel.parallel.strategies (14)    strategies by name, one custom loop for all
+             accel.parallel.local_sgd (13)     replicas average their weights every k steps
+             accel.parallel.inputs (08)        TFRecord files through tf.data, split per tower
+             accel.parallel.partition (09-10)  cutting layers into balanced parts (pure)
+             accel.parallel.layers (09-10)     a model as a list of layers (fn, arrays) / Keras
+             accel.parallel.model (09)         model parallelism: split, split step (TF2, TF1),
                                                hybrid replicas x stages
-             accel.parallel.trace (07-)        bytes crossing devices; per-device busy time
-             accel.parallel.pipeline (08)      GPipe / 1F1B schedules as data (pure, no TF)
-             accel.parallel.pipeline_exec (08) running any schedule on devices, a thread a stage
-             accel.parallel.tensor (09)        tensor parallelism by hand: column/row-parallel
+             accel.parallel.trace (09-)        bytes crossing devices; per-device busy time
+             accel.parallel.pipeline (10)      GPipe / 1F1B schedules as data (pure, no TF)
+             accel.parallel.pipeline_exec (10) running any schedule on devices, a thread a stage
+             accel.parallel.tensor (11)        tensor parallelism by hand: column/row-parallel
                                                dense, Megatron MLP and transformer block
-             accel.parallel.mesh (09)          the same with DTensor: meshes, layouts, relayouts
-             accel.parallel.vocab (09)         vocabulary-parallel embedding and cross-entropy
-             accel.parallel.zero (12)          ZeRO stages 0-3 by hand (Adam), bytes held counted
-             accel.parallel.offload (12)       Adam's state and update on a host device
-             accel.parallel.accumulate (12)    gradient accumulation: k micro-steps, one update
-             accel.parallel.moe (12)           mixture of experts: routing rule, all-to-all layer
-part IV      accel.distributed.cluster (10)    cluster specs, TF_CONFIG, LocalCluster: one server
+             accel.parallel.mesh (11)          the same with DTensor: meshes, layouts, relayouts
+             accel.parallel.vocab (11)         vocabulary-parallel embedding and cross-entropy
+             accel.parallel.zero (15)          ZeRO stages 0-3 by hand (Adam), bytes held counted
+             accel.parallel.offload (15)       Adam's state and update on a host device
+             accel.parallel.accumulate (15)    gradient accumulation: k micro-steps, one update
+             accel.parallel.moe (15)           mixture of experts: routing rule, all-to-all layer
+distributed  accel.distributed.cluster (12)    cluster specs, TF_CONFIG, LocalCluster: one server
                                                process per task, always ended, clear errors
              accel.distributed.replication     in-graph / between-graph x sync / async (TF1,
-                                               SyncReplicasOptimizer) on a cluster (10)
-             accel.distributed.shared (10)     state shared across sessions and processes,
+                                               SyncReplicasOptimizer) on a cluster (12)
+             accel.distributed.shared (12)     state shared across sessions and processes,
                                                variables on ps tasks by bytes, ensembles
-             accel.distributed.tf2_runs (10)   ParameterServerStrategy + ClusterCoordinator and
+             accel.distributed.tf2_runs (12)   ParameterServerStrategy + ClusterCoordinator and
                                                MultiWorkerMirroredStrategy as processes
-             accel.distributed.strategies (11) MultiWorkerMirroredStrategy workers: what each
+             accel.distributed.strategies (14) MultiWorkerMirroredStrategy workers: what each
                                                reads (InputContext, AutoShardPolicy), checkpoints,
                                                a killed or frozen worker and the restart
 course       accel.course.registry             benchmarks (python -m accel bench) and figures
-             accel.course.* (01-12)           each chapter's experiments, figures and toy set-ups;
+             accel.course.* (01-16)           each chapter's experiments, figures and toy set-ups;
                                                the only code that calls accel.devices.setup()
 
 Importing ``accel`` sets two environment variables (unless you set them) *before* TensorFlow is

@@ -82,7 +82,7 @@ def setup(count: int = 4, kind: str = "auto", seed: int = 0,
     ``count`` logical GPUs of ``gpu_memory_mb`` each, else the CPU split into ``count`` logical
     CPUs. ``kind="cpu"`` always splits the CPU; ``kind="gpu"`` refuses to run without a GPU.
     ``intra_op_threads`` / ``inter_op_threads`` size TensorFlow's thread pools (``None``: its
-    default); one intra-op thread lets two devices truly overlap on two cores (chapters 07-08).
+    default); one intra-op thread lets two devices truly overlap on two cores (chapters 09-10).
 
     The first call also seeds Python, NumPy and TensorFlow with ``seed`` (``seed_everything``)
     and silences TensorFlow's Python INFO logging. Idempotent: calling it again with the same

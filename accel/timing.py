@@ -82,9 +82,10 @@ print(sorted(times)[len(times) // 2], tf.config.threading.get_intra_op_paralleli
 
 def matmul_seconds_with_threads(threads: int, n: int = 1024, repeat: int = 5) -> float:
     """Median seconds of an ``n`` x ``n`` float32 matmul in a fresh process whose intra-op pool
-    has ``threads`` threads (the pool is fixed at start-up, hence one process per setting)."""
+    has ``threads`` threads (the pool is fixed when TensorFlow's runtime starts, hence one
+    process per setting; the process starts warm, ``accel.procs``)."""
     checks.positive_int("threads", threads)
-    out = procs.run_python(_MATMUL_CODE.format(threads=threads, n=n, repeat=repeat))
+    out = procs.run_python(_MATMUL_CODE.format(threads=threads, n=n, repeat=repeat), warm=True)
     seconds, used = out.split()[-2:]
     if int(used) != threads:
         raise RuntimeError(f"the child ran with {used} intra-op threads, not {threads}")

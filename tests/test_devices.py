@@ -79,7 +79,7 @@ def test_setup_in_a_fresh_process_with_other_counts_and_threads():
         "try:\n"
         "    devices.setup(2, intra_op_threads=2)\n"
         "except RuntimeError as e:\n"
-        "    print('RuntimeError', e)\n")
+        "    print('RuntimeError', e)\n", warm=True)
     lines = out.splitlines()
     assert lines[:4] == ["['/device:CPU:0', '/device:CPU:1']"] * 2 + ["True", "1 3"]
     assert lines[4].startswith("RuntimeError") and "restart the kernel" in lines[4]
@@ -99,7 +99,7 @@ def test_setup_after_tensorflow_started_elsewhere():
         "except RuntimeError as e:\n"
         "    print('RuntimeError', e)\n"
     )
-    out = run_python(code)
+    out = run_python(code, warm=True)
     assert "['/device:CPU:0']" in out
     assert "restart the kernel" in out
 
@@ -109,7 +109,8 @@ def test_setup_after_tensorflow_started_elsewhere():
 def test_setup_gpu_kind_without_gpu_is_a_clear_error():
     out = run_python(
         "from accel import devices\n"
-        "try:\n    devices.setup(2, kind='gpu')\nexcept RuntimeError as e:\n    print(e)\n")
+        "try:\n    devices.setup(2, kind='gpu')\nexcept RuntimeError as e:\n    print(e)\n",
+        warm=True)
     assert "needs a physical GPU" in out
 
 

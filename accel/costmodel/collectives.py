@@ -142,7 +142,7 @@ def bus_bandwidth(nbytes: float, seconds: float, n: int, collective: str = "all_
 
 def sharded_ps_time(nbytes: float, workers: int, servers: int, latency_s: float,
                     bandwidth_bps: float) -> float:
-    """One synchronous exchange with parameter servers on their own machines (chapter 10's
+    """One synchronous exchange with parameter servers on their own machines (chapter 12's
     placement): every worker sends its ``nbytes`` of gradients and fetches ``nbytes`` of
     weights; the variables are sharded evenly over ``servers`` tasks, so each server's link
     carries ``workers * nbytes / servers`` each way, each worker's link ``nbytes``. The busier

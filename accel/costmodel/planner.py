@@ -28,7 +28,7 @@ plan: memory per device and time per step, from plain numbers (no TensorFlow).
   crosses.
 
 ``utilization`` defaults to ``UTILIZATION`` = 0.5, the share of the dense peak that every cost
-model of this course assumes (chapters 07-09); it is not fitted to any published result.
+model of this course assumes (chapters 09-11); it is not fitted to any published result.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Chapter 11's experiments in one process: the hand-written all-reduces next to TensorFlow's
-own, the bytes they send, and the chapter's cost-model figure.
+"""Chapter 13's all-reduce experiments, in one process and across processes, and
+``python -m accel bench allreduce``.
+
+In one process, on logical devices:
 
 * ``tf_all_reduce(name, tensors, devices)``: TensorFlow's implementations on the same tensors:
   ``"ReductionToOneDevice"``, ``"HierarchicalCopyAllReduce"`` and ``"collective"`` (the
@@ -9,10 +11,43 @@ own, the bytes they send, and the chapter's cost-model figure.
 * ``inprocess_times``, ``bytes_table``: the measurements (packing, float16 and local SGD are in
   ``accel.course.traffic``);
 * ``figure_alpha_beta()``: modelled all-reduce time of each algorithm on cited links.
+
+Across real processes on loopback, the same float32 sizes timed two ways:
+
+* ``tf_ring``: ``n`` worker processes, each started with only ``TF_CONFIG``
+  (``python -m accel.course.collectives``), each running a ``MultiWorkerMirroredStrategy``
+  with RING collectives and timing its all-reduce (``ReplicaContext.all_reduce`` inside
+  ``strategy.run``: one ``CollectiveReduceV2`` per worker);
+* ``hand``: ``n`` plain servers (``LocalCluster``) and a client process connected to them
+  (``tf.config.experimental_connect_to_cluster``) that runs
+  ``accel.collectives.all_reduce(..., algorithm="ring")`` with its ops under
+  ``/job:worker/task:i``: every chunk crosses from one server process to the next over gRPC.
+  (Driving remote ops from inside a strategy's worker crashed TF 2.21 here, and a client's
+  ``CollectiveReduceV2`` on plain servers hangs: hence two set-ups.)
+
+Both time ``chain`` (``CHAIN``) all-reduces in a row in one function call, each of the one
+before's result, and divide: the call's launch and the fetch of its result are shared, as a
+training step shares them over its gradients, and what is left is the all-reduce itself (with
+one all-reduce per call the client's launch of remote work, a few milliseconds, dominates the
+small sizes). ``sweep(workers, sizes, repeat)`` runs both, always ending every process
+(timeouts bound each wait), and returns the median seconds per all-reduce for each size;
+``others=("tree", "one_device")`` adds more hand algorithms on the same servers, which
+``crossover_lines`` checks the alpha-beta model against.
+
+``bench`` (``python -m accel bench allreduce``): across processes, the hand ring vs TF's RING
+collective (goal: within 1.1x at every size >= 1 MiB) and, on four processes, the alpha-beta
+model checked against the hand ring, tree and through-one-device; in one process, every hand
+algorithm vs TensorFlow's cross-device ops, packing by hand and by ``CommunicationOptions``,
+float16 vs float32, and bytes per device vs the formulas (exact).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import os
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,11 +55,17 @@ import tensorflow as tf
 
 from accel import collectives, timing
 from accel.costmodel import collectives as cost
+from accel.costmodel import fit as fitting
 from accel.costmodel.hardware import link_bandwidth
+from accel.course.traffic import packing_times, tf_packing
+from accel.distributed.cluster import LocalCluster, make_cluster, tf_config
+from accel.procs import ChildFailed, run_python, start_python
 
 __all__ = ["TF_IMPLEMENTATIONS", "tf_strategy", "tf_all_reduce", "placed", "inprocess_times",
-           "bytes_table",
-           "LINK_CASES", "figure_alpha_beta", "check_exercise"]
+           "bytes_table", "LINK_CASES", "figure_alpha_beta", "check_exercise", "KIB", "MIB",
+           "SIZES", "CHAIN", "worker", "client", "tf_ring_sweep", "hand_sweep", "sweep",
+           "process_lines", "crossover_lines", "figure_loopback", "main", "bench"]
+
 
 TF_IMPLEMENTATIONS = ("ReductionToOneDevice", "HierarchicalCopyAllReduce", "collective")
 _STRATEGIES: dict = {}
@@ -158,3 +199,318 @@ def check_exercise(number: int, answer) -> str:
         return f"exercise {number}: right ({right})"
     side = "too high" if answer > right else "too low"
     return f"exercise {number}: not quite ({answer!r} is {side})"
+
+
+KIB, MIB = 1024, 1024 * 1024
+SIZES = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB)
+CHAIN = 4  # all-reduces per timed call: the call's dispatch is shared, as a step shares it
+
+
+def _expected(n: int, chain: int) -> float:
+    """What every element holds after ``chain`` chained sums of worker i's ``i + 1``."""
+    return n * (n + 1) / 2 * n ** (chain - 1)
+
+
+def worker(sizes: Sequence[int], repeat: int, chain: int = CHAIN) -> dict:
+    """Run in each worker process (``TF_CONFIG`` set): returns the median seconds per
+    all-reduce of TF's RING collective for each size, timed as ``chain`` all-reduces in a row
+    in one function call, each of the one before's result."""
+    import tensorflow as tf
+
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    rank = strategy.cluster_resolver.task_id
+    n = strategy.num_replicas_in_sync
+
+    here = strategy.extended.worker_devices[0]
+
+    def summed(v):  # `chain` all-reduces in a row, each of the one before's result
+        with tf.device(here):  # a placed value tells the all-reduce where results go
+            v = tf.identity(v)
+        for _ in range(chain):
+            v = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, v)
+        return v
+
+    out: dict = {"sizes": list(sizes), "workers": n, "chain": chain, "tf_ring": []}
+    for nbytes in sizes:
+        x = tf.fill([nbytes // 4], float(rank + 1))
+
+        @tf.function
+        def tf_ring(x=x):
+            return strategy.run(summed, args=(x,))[-1:]
+
+        got = float(tf_ring().numpy()[0])
+        if got != _expected(n, chain):
+            raise RuntimeError(f"TF's all-reduce gave {got}, not {_expected(n, chain)}")
+        out["tf_ring"].append(timing.time_fn(lambda: tf_ring().numpy(), repeat) / chain)
+    return out
+
+
+def client(cluster: dict, sizes: Sequence[int], repeat: int, chain: int = CHAIN,
+           others: Sequence[str] = ()) -> dict:
+    """Run in a client process next to plain servers: connect to them and time the hand ring,
+    its ops under ``/job:worker/task:i``, as ``chain`` all-reduces in a row in one call, each
+    of the one before's result; prints and returns ``{"hand": [median seconds per all-reduce,
+    ...], "others": {algorithm: [...]}}``, ``others`` naming more hand algorithms
+    (``"tree"``, ``"one_device"``) timed the same way on the same processes."""
+    import tensorflow as tf
+
+    from accel import collectives
+
+    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster))
+    n = len(cluster["worker"])
+    devs = [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(n)]
+
+    def chained(algorithm):
+        @tf.function
+        def run(xs):  # `chain` all-reduces in a row, each of the one before's result
+            for _ in range(chain):
+                xs = collectives.all_reduce(xs, devs, algorithm)
+            return [x[-1:] for x in xs]
+        return run
+
+    fns = {alg: chained(alg) for alg in ("ring", *others)}
+    times: dict = {alg: [] for alg in fns}
+    for nbytes in sizes:
+        xs = []
+        for i, d in enumerate(devs):
+            with tf.device(d):
+                xs.append(tf.fill([nbytes // 4], float(i + 1)))
+        for alg, fn in fns.items():
+            got = [float(v.numpy()[0]) for v in fn(xs)]
+            if got != [_expected(n, chain)] * n:
+                raise RuntimeError(f"the hand {alg} gave {got}, not {_expected(n, chain)}")
+            times[alg].append(
+                timing.time_fn(lambda xs=xs, fn=fn: [v.numpy() for v in fn(xs)], repeat) / chain)
+    out: dict = {"sizes": list(sizes), "workers": n, "chain": chain, "hand": times.pop("ring"),
+                 "others": times}
+    print(json.dumps(out))
+    return out
+
+
+def tf_ring_sweep(workers: int = 2, sizes: Sequence[int] = SIZES, repeat: int = 5,
+                  timeout: float = 300.0, chain: int = CHAIN) -> dict:
+    """Start ``workers`` strategy processes, wait for all (bounded by ``timeout`` seconds), end
+    them whatever happens, and return worker 0's result."""
+    cluster = make_cluster(ps=0, workers=workers)
+    args = ["-m", "accel.course.collectives", "--sizes", *map(str, sizes), "--repeat",
+            str(repeat), "--chain", str(chain)]
+    children = []
+    try:
+        for i in range(workers):
+            children.append(start_python(args, env={"TF_CONFIG": tf_config(cluster, "worker",
+                                                                            i)},
+                                         name=f"worker:{i}"))
+        end = time.monotonic() + timeout
+        while any(c.alive() for c in children):
+            if time.monotonic() > end:
+                raise ChildFailed(f"all-reduce workers ran past {timeout:g} s")
+            for c in children:
+                if not c.alive() and c.popen.returncode != 0:
+                    raise ChildFailed(f"{c.name} failed (exit {c.popen.returncode}):\n"
+                                      f"{c.output()[1][-1500:]}")
+            time.sleep(0.1)
+        for c in children:
+            if c.popen.returncode != 0:
+                raise ChildFailed(f"{c.name} failed (exit {c.popen.returncode}):\n"
+                                  f"{c.output()[1][-1500:]}")
+        return json.loads(children[0].output()[0].strip().splitlines()[-1])
+    finally:
+        for c in children:
+            c.stop(grace=1.0)
+
+
+def _fmt_size(nbytes: int) -> str:
+    return f"{nbytes // (1 << 20)} MiB" if nbytes >= 1 << 20 else f"{nbytes // 1024} KiB"
+
+
+def process_lines(result: dict) -> tuple[list[str], dict]:
+    """Table lines (time, algorithm and bus bandwidth, hand / TF ratio per size) for a
+    ``sweep`` result, and the ratios by size."""
+    n = result["workers"]
+    lines = [f"{n} processes on loopback: size, hand ring vs TF RING collective (median ms per "
+             f"all-reduce, {result.get('chain', 1)} in a row per call; algbw, busbw in MB/s; "
+             "ratio hand / TF)"]
+    ratios = {}
+    for s, th, tt in zip(result["sizes"], result["hand"], result["tf_ring"], strict=True):
+        ratios[s] = th / tt
+        lines.append(f"{_fmt_size(s):>7}  hand {th * 1e3:8.2f} ms {s / th / 1e6:8.1f} "
+                     f"{cost.bus_bandwidth(s, th, n) / 1e6:8.1f}   TF {tt * 1e3:8.2f} ms "
+                     f"{s / tt / 1e6:8.1f} {cost.bus_bandwidth(s, tt, n) / 1e6:8.1f}   "
+                     f"{ratios[s]:.2f}x")
+    for name in ("hand", "tf_ring"):
+        try:
+            a, bw = fitting.fit_alpha_beta(result["sizes"], result[name])
+        except ValueError:
+            lines.append(f"alpha-beta fit ({name}): none (time did not grow with size)")
+            continue
+        lines.append(f"alpha-beta fit ({name}): {a * 1e3:.2f} ms per all-reduce + size / "
+                     f"{bw / 1e6:.0f} MB/s")
+    return lines, ratios
+
+
+
+def crossover_lines(result: dict) -> tuple[list[str], dict]:
+    """Check the alpha-beta model against a ``hand_sweep(..., others=...)`` result: the hand
+    algorithms' median times per size; then, for each medium (``"links"``: every process its
+    own link; ``"shared"``: one machine carries every byte), the model fitted to all the points
+    (``fit_steps_bytes``), its relative error, and each other algorithm's crossover with the
+    ring, predicted by the fit vs read from the timings (``measured_crossover``). Returns the
+    lines and ``{medium: (fit, {algorithm: (predicted, measured)})}``."""
+    n, sizes = result["workers"], result["sizes"]
+    times = {"ring": result["hand"], **result["others"]}
+    lines = [f"{n} processes on loopback, hand algorithms from one client (median ms per "
+             f"all-reduce, {result.get('chain', 1)} in a row per call)",
+             "   size " + "".join(f"{alg:>12}" for alg in times)]
+    for i, s in enumerate(sizes):
+        lines.append(f"{_fmt_size(s):>7} " + "".join(f"{t[i] * 1e3:12.2f}"
+                                                       for t in times.values()))
+    checked = {}
+    for medium in cost.MEDIA:
+        fit = fitting.fit_steps_bytes([(alg, n, s, t) for alg, ts in times.items()
+                                    for s, t in zip(sizes, ts, strict=True)], medium)
+        unit = "step" if medium == "links" else "message"
+        lines.append(f"model, {medium:6} medium: {fit.call * 1e3:.2f} ms + {fit.alpha * 1e3:.3f} ms"
+                     f" per {unit} + bytes / {fit.bandwidth / 1e6:.0f} MB/s, relative error "
+                     f"{fit.rel_error:.0%}")
+        checked[medium] = (fit, {})
+        for alg in result["others"]:
+            predicted = (cost.crossover_bytes(alg, "ring", n, fit.alpha, fit.bandwidth, medium)
+                         if fit.alpha > 0 else 0.0)
+            measured = fitting.measured_crossover(sizes, times[alg], times["ring"])
+            checked[medium][1][alg] = (predicted, measured)
+            lines.append(f"  {alg} faster than the ring: predicted {_fmt_below(predicted)}, "
+                         f"measured {_fmt_below(measured)}")
+    return lines, checked
+
+
+def _fmt_below(nbytes: float) -> str:
+    if nbytes == math.inf:
+        return "at every size"
+    if nbytes == 0:
+        return "at no size"
+    return (f"below {nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20
+            else f"below {nbytes / 1024:.1f} KiB")
+
+
+def figure_loopback(result: dict):
+    """Measured algorithm bandwidth per size of both all-reduces across processes, with the
+    alpha-beta line fitted to each (a figure of a MEASUREMENT: saved by the notebook)."""
+    import matplotlib.pyplot as plt
+
+    sizes = np.array(result["sizes"], dtype=float)
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for name, color in (("hand", "C0"), ("tf_ring", "C1")):
+        t = np.array(result[name])
+        ax.semilogx(sizes, sizes / t / 1e6, "o", color=color, label=f"{name} measured")
+        try:
+            a, bw = fitting.fit_alpha_beta(sizes, t)
+        except ValueError:
+            continue
+        grid = np.logspace(np.log10(sizes[0]), np.log10(sizes[-1]), 50)
+        ax.semilogx(grid, grid / (a + grid / bw) / 1e6, "--", color=color,
+                    label=f"{name} fit: {a * 1e3:.1f} ms + S / {bw / 1e6:.0f} MB/s")
+    ax.set_xlabel("bytes per process")
+    ax.set_ylabel("algorithm bandwidth (MB/s)")
+    ax.set_title(f"all-reduce over {result['workers']} processes on loopback")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m accel.course.collectives --sizes B ... --repeat R`` (reads
+    ``TF_CONFIG``): prints this worker's result as one JSON line."""
+    parser = argparse.ArgumentParser(prog="python -m accel.course.collectives")
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--chain", type=int, default=CHAIN)
+    args = parser.parse_args(argv)
+    if "TF_CONFIG" not in os.environ:
+        raise SystemExit("TF_CONFIG is not set: this runs as one worker of a cluster")
+    print(json.dumps(worker(args.sizes, args.repeat, args.chain)), flush=True)
+
+
+def hand_sweep(workers: int = 2, sizes: Sequence[int] = SIZES, repeat: int = 5,
+               timeout: float = 300.0, chain: int = CHAIN, others: Sequence[str] = ()
+               ) -> dict:
+    """Start ``workers`` plain servers (``LocalCluster``), time the hand ring from a client
+    process, end every process; returns the client's result."""
+    with LocalCluster(ps=0, workers=workers, lifetime=timeout + 60) as c:
+        code = ("from accel.course.collectives import client; "
+                f"client({c.cluster!r}, {list(sizes)!r}, {repeat}, {chain}, {tuple(others)!r})")
+        text = run_python(code, timeout=timeout, warm=True)
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def sweep(workers: int = 2, sizes: Sequence[int] = SIZES, repeat: int = 5,
+          timeout: float = 300.0, chain: int = CHAIN, others: Sequence[str] = ()) -> dict:
+    """Both measurements on the same sizes: ``{"sizes", "workers", "chain", "hand", "others",
+    "tf_ring"}`` (``others``: more hand algorithms, see ``client``)."""
+    return {**hand_sweep(workers, sizes, repeat, timeout, chain, others),
+            "tf_ring": tf_ring_sweep(workers, sizes, repeat, timeout, chain)["tf_ring"]}
+
+
+def bench(device_names: Sequence[str], quick: bool = False) -> dict:
+    """Across processes: hand ring vs TF's RING collective (goal within 1.1x at every size
+    >= 1 MiB); in one process: every algorithm vs TF's; packed vs unpacked; float16 vs
+    float32; bytes per device vs the formulas (exact)."""
+
+    devs = list(device_names)
+    count = 1024 if quick else 1 << 20
+    repeat = 2 if quick else 5
+    out: dict = {}
+    lines = [f"in one process, {len(devs)} logical CPUs, {4 * count} bytes each (overhead, "
+             "not bandwidth: the devices share memory); ratios against the hand ring"]
+    times = inprocess_times(devs, count, repeat)
+    lines.append(timing.format_ratios(times, "ring"))
+    out.update({f"inprocess {k}/ring": v / times["ring"] for k, v in times.items()})
+    rows = bytes_table(devs, count // 4 + 1)
+    exact = all(c == f for _, c, f in rows)
+    out["bytes exact"] = exact
+    for alg, counted, formula in rows:
+        lines.append(f"bytes sent per device, {alg:10}: counted {counted}, formula {formula}")
+    lines.append(f"counted == formula for every algorithm: {exact}")
+    tensors = 16 if quick else 64
+    for label, key, pack in (
+            ("packing by hand, pack_bytes", 0, packing_times(devs, tensors, 256, repeat=repeat)),
+            ("TF collective, bytes_per_pack", 1, tf_packing(devs, tensors, 256, repeat=repeat))):
+        base = pack[key][0]  # one all-reduce per tensor
+        for p, (t, calls) in pack.items():
+            out[f"{label} {p}/unpacked"] = t / base
+            lines.append(f"{label} {p:>10}: {calls:3} all-reduces, {t * 1e3:8.2f} ms, "
+                         f"{t / base:.2f}x unpacked")
+    xs = placed(devs, count)
+    t32 = timing.time_fn(tf.function(lambda: [y[:1] for y in collectives.all_reduce(
+        xs, devs, "ring")]), repeat)
+    t16 = timing.time_fn(tf.function(lambda: [y[:1] for y in collectives.compressed_all_reduce(
+        xs, devs)]), repeat)
+    b32 = collectives.sent_bytes(lambda xs: collectives.all_reduce(xs, devs, "ring"), xs)
+    b16 = collectives.sent_bytes(lambda xs: collectives.compressed_all_reduce(xs, devs), xs)
+    out["fp16/fp32 time"], out["fp16/fp32 bytes"] = t16 / t32, max(b16.values()) / max(
+        b32.values())
+    lines.append(f"float16 vs float32 ring: time {out['fp16/fp32 time']:.2f}x, bytes "
+                 f"{out['fp16/fp32 bytes']:.2f}x")
+    if quick:
+        lines.append("processes: skipped with quick=True (start-up alone takes seconds)")
+    else:
+        worst = 0.0
+        for workers in (2, 4):
+            others = ("tree", "one_device") if workers == 4 else ()
+            result = sweep(workers, others=others)
+            procs_lines, ratios = process_lines(result)
+            lines += procs_lines
+            out.update({f"procs{workers} {s} hand/tf": r for s, r in ratios.items()})
+            worst = max([worst] + [r for s, r in ratios.items() if s >= 1 << 20])
+            if others:
+                lines += crossover_lines(result)[0]
+        lines.append(f"goal: hand ring within 1.1x of TF's RING at every size >= 1 MiB -> "
+                     f"worst {worst:.2f}x ({'met' if worst <= 1.1 else 'NOT met'})")
+    lines.append(timing.ceiling_line() + "; virtual CPUs share these cores")
+    print("\n".join(lines))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""Chapter 06's input-pipeline experiment: is a training step input-bound or compute-bound?
+"""Chapter 08's input-pipeline experiment: is a training step input-bound or compute-bound?
 
 * ``slow_batches(x, y, batch_size, delay_s, ...)``: batches whose ``map`` function costs
   ``delay_s`` seconds per batch (a ``tf.py_function`` that sleeps: a stand-in for reading from a

@@ -1,4 +1,4 @@
-"""Chapter 08's experiments: pipelines of dense layers on logical devices, the bubble measured
+"""Chapter 10's experiments: pipelines of dense layers on logical devices, the bubble measured
 against its formula, unbalanced stages, the ``python -m accel bench pipeline`` benchmark and the
 chapter's figures.
 
@@ -106,7 +106,8 @@ def measure_bubble(devices: Sequence[str], microbatches: Sequence[int] = (1, 2, 
     ``repeat`` runs), the formula's, the median step time (first task start to last task end),
     the peak stash per stage, the median task times, and two baselines on one device: the same
     micro-batches through all layers (``one_device_s``) and the whole batch at once
-    (``whole_batch_s``)."""
+    (``whole_batch_s``). Every side gets one warm-up run, and the pipeline and its one-device
+    baseline alternate, so a load that comes and goes hits both."""
     make = {"gpipe": pl.gpipe_schedule, "1f1b": pl.one_f_one_b_schedule}[schedule]
     stages = square_stages(devices[:len(balance)], balance, width)
     one = square_stages(devices[:1], [sum(balance)], width)  # the same layers on one device
@@ -114,12 +115,15 @@ def measure_bubble(devices: Sequence[str], microbatches: Sequence[int] = (1, 2, 
     for m in microbatches:
         x, y = make_batch(m, microbatch, width)
         sched = make(m, p)
-        pe.run_schedule(stages, sched, x, y, squared_error, m)  # warm-up
-        runs = [pe.run_schedule(stages, sched, x, y, squared_error, m) for _ in range(repeat)]
+        alone_sched = pl.gpipe_schedule(m, 1)
+        pe.run_schedule(stages, sched, x, y, squared_error, m)  # warm-up, both sides
+        pe.run_schedule(one, alone_sched, x, y, squared_error, m)
+        runs, alone = [], []
+        for _ in range(repeat):
+            runs.append(pe.run_schedule(stages, sched, x, y, squared_error, m))
+            alone.append(pe.run_schedule(one, alone_sched, x, y, squared_error, m))
         spans = [_span(r) for r in runs]
         idle = np.median([pe.measured_idle_fractions(r) for r in runs], axis=0)
-        alone = [pe.run_schedule(one, pl.gpipe_schedule(m, 1), x, y, squared_error, m)
-                 for _ in range(repeat)]
         out[m] = {"measured": [float(v) for v in idle], "formula": pl.bubble_fraction(p, m),
                   "step_s": float(np.median(spans)), "peak_stash": runs[-1].peak_stash,
                   "task_s": _task_times(runs[-1]),
@@ -173,17 +177,20 @@ import json
 from accel import devices
 from accel.course import pipeline as cp
 names = devices.setup(2, intra_op_threads=1)
-print("RESULT" + json.dumps(cp.{func}(names, **{kwargs!r})))
+print("RESULT" + json.dumps({{s: cp.measure_bubble(names, schedule=s, **{kwargs!r})
+                              for s in {schedules!r}}}))
 """
 
 
-def measure_fresh(func: str = "measure_bubble", **kwargs) -> dict:
-    """``measure_bubble`` (or another function of this module taking the devices first) in a
-    fresh Python with 2 logical devices and one intra-op thread."""
-    checks.one_of("func", func, ("measure_bubble",))
-    out = procs.run_python(_FRESH.format(func=func, kwargs=kwargs), timeout=600)
+def measure_fresh(schedules: Sequence[str] = ("gpipe", "1f1b"), **kwargs) -> dict:
+    """``{schedule: measure_bubble(..., schedule=schedule, **kwargs)}`` for each schedule, all
+    in one fresh Python with 2 logical devices and one intra-op thread."""
+    for s in schedules:
+        checks.one_of("schedule", s, ("gpipe", "1f1b"))
+    out = procs.run_python(_FRESH.format(schedules=tuple(schedules), kwargs=kwargs),
+                           timeout=600, warm=True)
     line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
-    return {int(k) if k.isdigit() else k: v for k, v in json.loads(line[6:]).items()}
+    return {s: {int(m): r for m, r in res.items()} for s, res in json.loads(line[6:]).items()}
 
 
 def bench(device_names: Sequence[str], quick: bool = False) -> dict:
@@ -192,7 +199,8 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     with one intra-op thread, next to this machine's 2-thread ceiling."""
     ms = (1, 4) if quick else (1, 2, 4, 8, 16)
     kw = dict(microbatches=ms, repeat=1 if quick else 3, width=128 if quick else 512)
-    gpipe, ofob = measure_fresh(**kw), measure_fresh(**kw, schedule="1f1b")
+    both = measure_fresh(("gpipe", "1f1b"), **kw)
+    gpipe, ofob = both["gpipe"], both["1f1b"]
     print("m   measured idle  (p-1)/(m+p-1)  difference  1F1B/GPipe step  stash GPipe/1F1B  "
           "speed-up vs 1 device (same micro-batches / whole batch)")
     for m in ms:

@@ -1,4 +1,4 @@
-"""Chapter 12's planner sections: the planner's memory predictions next to the bytes the course
+"""Chapter 16's planner sections: the planner's memory predictions next to the bytes the course
 counts on its own devices, the step-time terms of a few plans as a figure (a cost model: fixed
 data), and the exercise's check."""
 
@@ -26,8 +26,8 @@ CASES: dict[str, tuple[pl.Transformer, pl.Cluster, int]] = {
 
 def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
     """name -> (planner's bytes, bytes counted from real variables): chapter 04's estimate of a
-    Keras MLP trained with Adam, chapter 07's layers split over 3 devices (bytes on each),
-    chapter 09's tensor-parallel shards of a transformer block and chapter 12's ZeRO stages 1-3
+    Keras MLP trained with Adam, chapter 09's layers split over 3 devices (bytes on each),
+    chapter 11's tensor-parallel shards of a transformer block and chapter 15's ZeRO stages 1-3
     on 4 devices (bytes on one device)."""
     from accel.course import model_parallel as course07
     from accel.parallel import model as mp

@@ -26,35 +26,35 @@ BENCH_DEVICES = 4
 
 # name -> ("module:function", one-line description)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "allreduce": ("accel.course.allreduce_bench:bench",
+    "allreduce": ("accel.course.collectives:bench",
                   "hand ring vs TF's RING across processes; the alpha-beta model's crossovers "
                   "on 4 processes; in one process ring vs one device vs TF; packed; float16; "
-                  "bytes vs formulas (chapter 11)"),
+                  "bytes vs formulas (chapter 13)"),
     "cluster": ("accel.course.clusters:bench",
-                "start-up of 1 ps + 2 workers; the four replication combinations (chapter 10)"),
+                "start-up of 1 ps + 2 workers; the four replication combinations (chapter 12)"),
     "copy-cost": ("accel.course.copy_cost:bench",
                   "ops hopping between devices; a big tensor used elsewhere (chapter 02)"),
     "memory": ("accel.course.memory:bench_memory",
                "peak memory and step time: plain vs recompute vs mixed precision (chapter 04)"),
     "sync-async": ("accel.course.sync_async:bench_sync_async",
                    "throughput of sync, async (locked, lock-free) and K-of-N with a 4x straggler "
-                   "(chapter 05)"),
+                   "(chapter 06)"),
     "model-parallel": ("accel.course.model_parallel:bench",
                        "split step vs one device, RNN wavefront vs layer after layer, idle "
-                       "fractions (chapter 07)"),
+                       "fractions (chapter 09)"),
     "pipeline": ("accel.course.pipeline:bench",
-                 "the bubble vs (p-1)/(m+p-1), 1F1B vs GPipe, pipeline vs one device (chapter 08)"),
+                 "the bubble vs (p-1)/(m+p-1), 1F1B vs GPipe, pipeline vs one device (chapter 10)"),
     "tensor-parallel": ("accel.course.tensor_parallel:bench",
                         "tensor-parallel MLP and block vs one device, DTensor vs by hand, bytes "
-                        "sent vs the formula (chapter 09)"),
+                        "sent vs the formula (chapter 11)"),
     "zero": ("accel.course.zero:bench",
              "ZeRO stages 1-3 and optimizer offload vs plain data parallelism, bytes sent per "
-             "step vs the formulas (chapter 12)"),
+             "step vs the formulas (chapter 15)"),
     "towers": ("accel.course.scaling:bench_towers",
-               "step time of hand-written towers vs MirroredStrategy vs one device (chapter 06)"),
+               "step time of hand-written towers vs MirroredStrategy vs one device (chapter 07)"),
     "input": ("accel.course.input_pipeline:bench_input",
               "a slow map: step time plain / prefetch / parallel map / cache vs compute alone "
-              "(chapter 06)"),
+              "(chapter 08)"),
 }
 
 # file name in images/ -> "module:function" returning a Figure

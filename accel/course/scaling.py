@@ -1,4 +1,4 @@
-"""Chapter 06's experiments: how data parallelism scales, measured (towers vs MirroredStrategy vs
+"""Chapter 07's experiments: how data parallelism scales, measured (towers vs MirroredStrategy vs
 one device), and the batch-size side (the linear scaling rule tried on a toy problem).
 
 * ``timed_steps(n, ...)``: the three training steps for ``n`` devices, ready to time;

@@ -1,4 +1,4 @@
-"""Chapter 11 (part B): TensorFlow's strategies side by side, what each worker reads, recovery.
+"""Chapter 14: TensorFlow's strategies side by side, what each worker reads, recovery.
 
 ``STRATEGIES`` is the chapter's comparison table as data (one row per strategy: where the
 variables live, what happens to the gradients, who applies the update, when to use it);

@@ -1,4 +1,4 @@
-"""Chapter 05's experiments: a toy problem for the parameter server, the sync-async benchmark,
+"""Chapter 06's experiments: a toy problem for the parameter server, the sync-async benchmark,
 the fair race (sync with a scaled learning rate against async, locked and lock-free), why measured
 throughput ratios beat the ideal ones, the measured figures and the exercise checks."""
 

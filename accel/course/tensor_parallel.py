@@ -1,4 +1,4 @@
-"""Chapter 09's experiments: tensor-parallel training steps (by hand and with DTensor) ready to
+"""Chapter 11's experiments: tensor-parallel training steps (by hand and with DTensor) ready to
 time, the bytes they send, the ``tensor-parallel`` benchmark and the chapter's figures.
 
 * ``train_steps(device_names, n, kind, ...)``: zero-argument SGD steps, single device vs
@@ -146,7 +146,7 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     out: dict[str, float] = {}
     lines = ["median SGD step time; ratios against the same run's single-device step"]
     for kind in ("mlp", "block"):
-        for n in (2, 4):
+        for n in (2,) if quick else (2, 4):
             t = time_steps(train_steps(device_names, n, kind, **size), rounds, repeat)
             out[f"{kind}_hand/single_{n}"] = t["hand"] / t["single"]
             line = (f"{kind:5} n={n}: single {t['single'] * 1e3:7.2f} ms  by hand "

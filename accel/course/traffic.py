@@ -1,4 +1,4 @@
-"""Chapter 11, section 7: fewer messages and fewer bytes, measured on logical devices.
+"""Chapter 13, section 7: fewer messages and fewer bytes, measured on logical devices.
 
 * ``packing_times``: many small gradients all-reduced by the hand ring, packed into buckets
   (``accel.collectives.packed_all_reduce``) or not;

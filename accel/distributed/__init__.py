@@ -1,4 +1,4 @@
-"""Part IV: TensorFlow clusters as real processes (chapter 10).
+"""Part IV: TensorFlow clusters as real processes (chapter 12).
 
 * ``accel.distributed.cluster``: cluster specs, ``TF_CONFIG``, free ports, ``LocalCluster`` (one
   ``tf.distribute.Server`` per task, each in its own process, always ended), ``ping``.
@@ -8,7 +8,7 @@
   ``ByteSizeStrategy`` for ``replica_device_setter``, in-graph and between-graph ensembles.
 * ``accel.distributed.tf2_runs``: ``ParameterServerStrategy`` + ``ClusterCoordinator`` and
   ``MultiWorkerMirroredStrategy`` on the same model, as processes, with custom loops.
-* ``accel.distributed.strategies`` (chapter 11): ``MultiWorkerMirroredStrategy`` workers that
+* ``accel.distributed.strategies`` (chapter 14): ``MultiWorkerMirroredStrategy`` workers that
   report what they read (``InputContext``, each ``AutoShardPolicy``), checkpoint every k steps,
   and recover from a killed or frozen worker with exactly the uninterrupted run's weights.
 """

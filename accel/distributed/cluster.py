@@ -5,9 +5,17 @@ same thing ``tf.train.ClusterSpec`` and ``TF_CONFIG`` hold. ``LocalCluster`` pic
 loopback address at run time (any ``127.x.y.z`` reaches this machine on Linux), starts each task
 with ``python -m accel.distributed.cluster serve`` and only ``TF_CONFIG`` in its environment (the
 command a reader runs on each real machine), waits until every server listens, and always ends
-them (``with`` block, ``finally``, also on ``KeyboardInterrupt``). Failures are errors that name
-the task and its address: a port already taken, a server that dies at start-up, a task that does
-not answer within a bounded time.
+them (``with`` block, ``finally``, also on ``KeyboardInterrupt``). Each task is its own process,
+forked from a template that has already imported TensorFlow (``accel.procs``' warm start), so a
+cluster starts in well under a second instead of paying one import per task;
+``ACCEL_WARM_START=0`` starts every task as a fresh ``python`` instead. Failures are errors that
+name the task and its address: a port already taken, a server that dies at start-up, a task that
+does not answer within a bounded time.
+
+Ports come from the operating system (any free port), or, when ``ACCEL_PORT_RANGE=LO-HI`` is in
+the environment, from that range only: the ports a firewall lets through on a real cluster, or
+disjoint ranges for test runners working side by side on one machine (two processes that each
+ask the OS for "any free port" can be handed the same one between choosing it and binding it).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import sys
 import time
@@ -22,22 +31,51 @@ import time
 from accel import checks
 from accel.procs import Child, start_python
 
-__all__ = ["JOBS", "free_ports", "make_cluster", "tf_config", "parse_tf_config", "port_in_use",
-           "task_device", "LocalCluster", "ping", "serve"]
+__all__ = ["JOBS", "PORT_RANGE_ENV", "port_range", "free_ports", "make_cluster", "tf_config",
+           "parse_tf_config", "port_in_use", "task_device", "LocalCluster", "ping", "serve"]
 
 JOBS = ("chief", "ps", "worker")
 READY = "accel-server-ready"
+PORT_RANGE_ENV = "ACCEL_PORT_RANGE"
+
+
+def port_range(text: str | None = None) -> tuple[int, int] | None:
+    """``(lo, hi)`` from ``"LO-HI"`` (default: the ``ACCEL_PORT_RANGE`` environment variable),
+    or ``None`` when it is unset or empty (any free port)."""
+    text = os.environ.get(PORT_RANGE_ENV, "") if text is None else text
+    if not text.strip():
+        return None
+    try:
+        lo, hi = (int(part) for part in text.split("-"))
+    except ValueError:
+        lo = hi = -1
+    if not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"{PORT_RANGE_ENV} must be 'LO-HI' with 1024 <= LO <= HI <= 65535, "
+                         f"got {text!r}")
+    return lo, hi
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct TCP ports free on ``host`` now (the OS picks them; all held open
-    until every one is chosen, so none repeats)."""
+    """``count`` distinct TCP ports free on ``host`` now, all held open until every one is
+    chosen, so none repeats: any the OS hands out, or, with ``ACCEL_PORT_RANGE=LO-HI`` set,
+    ports of that range (tried in random order; a ``RuntimeError`` if too few are free)."""
     checks.positive_int("count", count)
+    bounds = port_range()
+    candidates = iter([0] * count) if bounds is None else iter(
+        random.sample(range(bounds[0], bounds[1] + 1), bounds[1] - bounds[0] + 1))
     sockets = []
     try:
-        for _ in range(count):
+        while len(sockets) < count:
+            port = next(candidates, None)
+            if port is None:
+                raise RuntimeError(f"only {len(sockets)} of {count} ports free in "
+                                   f"{PORT_RANGE_ENV}={os.environ[PORT_RANGE_ENV]!r} on {host}")
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
             sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
     finally:

@@ -109,7 +109,7 @@ def measure_variants_anywhere(fresh: bool = False, **kwargs) -> dict[str, dict[s
         return measure_variants(**kwargs)
     code = ("import json\nfrom accel.memory import savings as s\n"
             f"print(json.dumps(s.measure_variants(**{kwargs!r})))")
-    out = procs.run_python(code, env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
+    out = procs.run_python(code, env={"TF_CPU_ALLOCATOR_USE_BFC": "true"}, warm=True)
     return json.loads(out.strip().splitlines()[-1])
 
 

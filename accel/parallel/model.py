@@ -1,6 +1,6 @@
 """Model parallelism: one model's layers cut into consecutive parts, one part per device.
 
-The pieces, all plain data so that pipelines (chapter 08) can reuse them:
+The pieces, all plain data so that pipelines (chapter 10) can reuse them:
 
 * a **layer** is a Keras layer or a pair ``(fn, arrays)``, described (and checked to chain) by
   ``accel.parallel.layers.describe_layers`` as a ``LayerSpec``;

@@ -1,5 +1,5 @@
 """Cutting a sequence of layers into consecutive parts, one part per device: the decision behind
-model parallelism (chapter 07) and pipeline stages (chapter 08).
+model parallelism (chapter 09) and pipeline stages (chapter 10).
 
 A *balance* is the list of part sizes in layers, e.g. ``[3, 3, 2, 2]`` for ten layers on four
 devices (the word kakaobrain/torchgpipe uses). Everything here is a pure function of plain

@@ -72,7 +72,7 @@ def test_joint_fit_recovers_call_alpha_and_bandwidth():
 
 
 def test_shared_medium_counts_every_message_and_byte_sent():
-    # total bytes sent, from the counting module (chapter 09), over S: the shared factor
+    # total bytes sent, from the counting module (chapter 11), over S: the shared factor
     from accel.collectives import all_reduce_bytes_per_device
 
     messages = {  # by hand: all messages of all devices

@@ -1,5 +1,5 @@
 """accel.costmodel.planner / plans / megatron_table: memory predictions against the bytes this
-course counts (chapters 04, 07, 09), the arithmetic against hand counts, the ranking against
+course counts (chapters 04, 09, 11), the arithmetic against hand counts, the ranking against
 literal tables, Table 1 of Narayanan et al. 2021, and bad input."""
 
 import numpy as np
@@ -66,7 +66,7 @@ def test_states_equal_chapter_12_zero_counted_bytes(four_devices, stage):
 
 
 def test_activations_by_hand():
-    # no recomputation, t = 1: chapter 08's per-layer figure (Korthikanti et al.) x layers x
+    # no recomputation, t = 1: chapter 10's per-layer figure (Korthikanti et al.) x layers x
     # the micro-batches 1F1B keeps: min(p, m) = 2 with p = 2 and m = 64 / (8 * 1) = 8
     plan = pl.Plan(data=8, tensor=1, pipeline=2, recompute=False)
     mem = pl.memory_per_device(GPT_7B, plan, 64)

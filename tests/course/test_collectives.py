@@ -1,4 +1,4 @@
-"""Chapter 11's experiments: the exercises' solutions, TensorFlow's implementations on the
+"""Chapter 13's experiments: the exercises' solutions, TensorFlow's implementations on the
 same tensors, bytes tables, and the all-reduce across real processes (slow)."""
 
 import math
@@ -8,8 +8,8 @@ import pytest
 
 from accel import collectives
 from accel.costmodel import collectives as cost
-from accel.course import allreduce_procs, traffic
 from accel.course import collectives as course
+from accel.course import traffic
 
 
 def test_exercise_solutions():
@@ -49,13 +49,13 @@ def test_tf_packing_counts_the_collectives_tensorflow_launched(four_devices):
 def test_process_sweep_sums_correctly_and_ends_its_processes():
     """Both all-reduces (and the hand one_device) across 2 processes check their sums inside,
     after chained all-reduces (a wrong sum raises)."""
-    result = allreduce_procs.sweep(2, [4096, 65536], repeat=1, timeout=200, chain=2,
+    result = course.sweep(2, [4096, 65536], repeat=1, timeout=200, chain=2,
                                    others=("one_device",))
     assert result["sizes"] == [4096, 65536] and result["workers"] == 2
     assert result["chain"] == 2
     assert len(result["hand"]) == len(result["tf_ring"]) == 2
     assert len(result["others"]["one_device"]) == 2
-    lines, ratios = allreduce_procs.process_lines(result)
+    lines, ratios = course.process_lines(result)
     assert set(ratios) == {4096, 65536} and len(lines) == 5
 
 
@@ -69,7 +69,7 @@ def test_crossover_lines_on_times_made_from_the_model():
              for alg in ("ring", "tree")}
     result = {"workers": 4, "sizes": sizes, "chain": 1, "hand": model["ring"],
               "others": {"tree": model["tree"]}}
-    lines, checked = allreduce_procs.crossover_lines(result)
+    lines, checked = course.crossover_lines(result)
     fit, crossings = checked["links"]
     assert fit[:3] == pytest.approx((1e-3, 1e-3, 1e8))
     predicted, measured = crossings["tree"]

@@ -1,18 +1,17 @@
-"""accel.course.model_parallel / model_splits: byte counts and memory against hand counts, the
+"""accel.course.model_parallel: byte counts and memory against hand counts, the
 wavefront's variants against each other's outputs, and the exercises' solutions."""
 
 import numpy as np
 
 from accel.course import model_parallel as course
-from accel.course import model_splits as ms
 from accel.parallel import model as mp
 from accel.parallel.layers import mlp_layers
 
-B, W = ms.SPLIT_BATCH, ms.DENSE_WIDTH
+B, W = course.SPLIT_BATCH, course.DENSE_WIDTH
 
 
 def test_split_byte_counts_by_hand(four_devices):
-    counts = ms.count_splits(four_devices[:2])
+    counts = course.count_splits(four_devices[:2])
     act = B * W * 4  # one [32, 256] float32 activation
     assert counts["dense, split by layers"] == {"forward": act, "backward": act,
                                                 "total": 2 * act}

@@ -10,7 +10,7 @@ def test_memory_checks_are_equal(four_devices):
     assert len(checks) == 9
     for name, (predicted, counted) in checks.items():
         assert predicted == counted, name
-    # chapter 07's first device: 8x16+16 and 16x16+16 parameters, 16 bytes each (float32 Adam)
+    # chapter 09's first device: 8x16+16 and 16x16+16 parameters, 16 bytes each (float32 Adam)
     assert checks["ch07 split, CPU:0"][1] == 16 * (8 * 16 + 16 + 16 * 16 + 16)
 
 

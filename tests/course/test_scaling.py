@@ -1,4 +1,4 @@
-"""Chapter 06's exercise checks (accel.course.scaling): each says "not yet" to the placeholder,
+"""Chapters 07 and 08: the exercise checks of accel.course.scaling say "not yet" to the placeholder,
 "right" to the answer worked out by hand here, and "not quite" to a wrong one."""
 
 from accel.course import scaling

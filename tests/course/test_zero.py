@@ -1,4 +1,4 @@
-"""Chapter 12's experiments: the exercises' checks with the right answers, the tables the chapter
+"""Chapter 15's experiments: the exercises' checks with the right answers, the tables the chapter
 prints (counted equals formula), the figure. (The quick benchmark runs in the test of all
 benchmarks.)"""
 

@@ -6,16 +6,9 @@ import numpy as np
 import pytest
 
 from accel import models
-from accel.distributed import cluster as C
 from accel.distributed import replication as R
 
 LR, STEPS = 0.05, 6
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with C.LocalCluster(ps=1, workers=2, timeout=90) as c:
-        yield c
 
 
 def close(actual, ref):

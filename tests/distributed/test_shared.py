@@ -6,7 +6,6 @@ import pytest
 import tensorflow as tf
 
 from accel import models
-from accel.distributed import cluster as C
 from accel.distributed import shared
 
 SHAPES = [(1000, 64), (64,), (64, 64), (64,), (64, 1), (1,)]
@@ -43,12 +42,6 @@ def test_byte_size_strategy_greedy_order_by_hand():
     assert shared.variable_bytes(Op((3, 5), tf.float64)) == 120
     with pytest.raises(ValueError, match="num_tasks"):
         shared.ByteSizeStrategy(0)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with C.LocalCluster(ps=1, workers=2, timeout=90) as c:
-        yield c
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The GPU paths of chapters 01-06, run where a GPU is present (`make gpu-check`); skipped
+"""The GPU paths of chapters 01-08, run where a GPU is present (`make gpu-check`); skipped
 elsewhere. nbval only ever sees the CPU outputs stored in the notebooks, so these tests check what
 the same cells do when `devices.setup` finds a GPU: devices named and used, placement and the
 copies it implies, soft placement falling back to the CPU, the GPU allocator's peak, and the

@@ -184,6 +184,7 @@ def test_recompute_and_half_precision_gradients_match():
         memory_savings.gradient_step(params, x, "int8")
 
 
+@pytest.mark.slow
 def test_measure_variants_recompute_saves_memory():
     # in a fresh process: after the rest of the suite, pooled chunks blur small peaks (a full
     # run once measured float16 0.959 MiB against plain 0.950)

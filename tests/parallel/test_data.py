@@ -1,4 +1,4 @@
-"""accel.parallel.data, mirrored, inputs (and chapter 06's experiments in accel.course.scaling):
+"""accel.parallel.data, mirrored, inputs (and chapter 07's experiments in accel.course.scaling):
 every parallel variant is compared with the single-device step on the whole batch; placement is
 checked with accel.placement."""
 

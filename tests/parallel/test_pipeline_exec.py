@@ -25,7 +25,7 @@ def assert_close(actual, ref):
 
 
 def dense_stages(devices, balance, params):
-    """The MLP's layers cut by ``balance``, stage s on devices[s] (chapter 08's set-up)."""
+    """The MLP's layers cut by ``balance``, stage s on devices[s] (chapter 10's set-up)."""
     from accel.course.pipeline import dense_stages as build
 
     return build(params, balance, devices)
