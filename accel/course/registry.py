@@ -26,7 +26,7 @@ BENCH_DEVICES = 4
 
 # name -> ("module:function", one-line description)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "allreduce": ("accel.course.collectives:bench",
+    "allreduce": ("accel.course.allreduce_bench:bench",
                   "hand ring vs TF's RING across processes; the alpha-beta model's crossovers "
                   "on 4 processes; in one process ring vs one device vs TF; packed; float16; "
                   "bytes vs formulas (chapter 13)"),
