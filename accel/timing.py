@@ -11,16 +11,20 @@ ceiling is below ``QUIET_CEILING``.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from accel import checks, procs
 
 __all__ = ["time_fn", "format_ratios", "measure_matmul_tflops", "matmul_seconds_with_threads",
-           "ceiling", "ceiling_line", "QUIET_CEILING", "CEILING_RANGE", "require_quiet"]
+           "Ceiling", "measure_ceiling", "ceiling", "ceiling_line", "QUIET_CEILING",
+           "QUIET_OTHERS", "CEILING_RANGE", "require_quiet"]
 
 QUIET_CEILING = 1.3  # below this, something else is using the second core
+QUIET_OTHERS = 0.35  # cores other processes may use while the ceiling is measured
 CEILING_RANGE = (QUIET_CEILING, 2.1)  # above 2.1: noise, or more cores than the outputs claim
 
 
@@ -92,12 +96,35 @@ def matmul_seconds_with_threads(threads: int, n: int = 1024, repeat: int = 5) ->
     return float(seconds)
 
 
-def ceiling(n: int = 1024, repeat: int = 9) -> float:
+class Ceiling(NamedTuple):
+    """One measurement of how free this machine's two cores are: ``value``, the 1-thread /
+    2-thread matmul time (about 2 when both cores are free), and ``others``, the CPU that other
+    processes (and, on a virtual machine, its host: steal time) used meanwhile, in cores (about
+    0 on a quiet machine, ``None`` where ``/proc/stat`` does not exist)."""
+
+    value: float
+    others: float | None
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds every core spent busy (user, nice, system, irq, softirq, steal) since boot."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_ceiling(n: int = 1024, repeat: int = 9) -> Ceiling:
     """This machine's ceiling for a 2-way speed-up, now: the median time of an ``n`` x ``n``
     float32 matmul on one BLAS thread over its median on two (NumPy's BLAS, its thread count
     set per call with ``threadpoolctl``; TensorFlow's own pools are fixed at start-up, so they
     cannot be switched in a running process). The two settings alternate, ``repeat`` times each
-    after a warm-up, so a load that comes and goes hits both. About 2 on two free cores."""
+    after a warm-up, so a load that comes and goes hits both. Meanwhile, the CPU that other
+    processes used (``/proc/stat`` minus this process's own time): the ratio alone misses some
+    loads (with two busy processes beside it, the one-thread run is slowed too)."""
     import numpy as np
     from threadpoolctl import threadpool_limits
 
@@ -106,29 +133,55 @@ def ceiling(n: int = 1024, repeat: int = 9) -> float:
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     times: dict[int, list[float]] = {1: [], 2: []}
     for k in range(repeat + 2):  # two warm-up rounds: thread start-up, clock ramp
+        if k == 2:
+            busy0, own0, wall0 = _busy_seconds(), sum(os.times()[:2]), time.perf_counter()
         for threads in (1, 2):
             with threadpool_limits(threads, user_api="blas"):
                 start = time.perf_counter()
                 a @ a
                 if k >= 2:
                     times[threads].append(time.perf_counter() - start)
-    return statistics.median(times[1]) / statistics.median(times[2])
+    busy1, own1, wall1 = _busy_seconds(), sum(os.times()[:2]), time.perf_counter()
+    others = None
+    if busy0 is not None and busy1 is not None:
+        others = max(0.0, ((busy1 - busy0) - (own1 - own0)) / (wall1 - wall0))
+    return Ceiling(statistics.median(times[1]) / statistics.median(times[2]), others)
 
 
-def ceiling_line(value: float | None = None) -> str:
-    """``ceiling: 1.83 (1-thread / 2-thread matmul time; 2 = two free cores)``: the one line
-    of this form a chapter stores beside its timings (measured now unless ``value`` is given)."""
-    value = ceiling() if value is None else value
-    return f"ceiling: {value:.2f} (1-thread / 2-thread matmul time; 2 = two free cores)"
+def ceiling(n: int = 1024, repeat: int = 9) -> float:
+    """``measure_ceiling(n, repeat).value``: 1-thread / 2-thread matmul time, about 2 on two
+    free cores."""
+    return measure_ceiling(n, repeat).value
 
 
-def require_quiet(minimum: float = QUIET_CEILING, value: float | None = None) -> float:
-    """The ceiling now (or ``value``); a ``RuntimeError`` saying what was measured and what is
-    needed if it is below ``minimum``: outputs stored now would carry a busy machine's times."""
-    value = ceiling() if value is None else value
-    if value < minimum:
-        raise RuntimeError(
-            f"this machine is busy: ceiling {value:.2f} (1-thread / 2-thread matmul time), "
-            f"needs >= {minimum:g} to store timings (2 = two free cores). Stop other work "
-            "(tests, notebooks, helpers) and re-run.")
-    return value
+def ceiling_line(measured: Ceiling | float | None = None) -> str:
+    """``ceiling: 1.83 (1-thread / 2-thread matmul time; 2 = two free cores); other processes:
+    0.02 cores``: the one line of this form a chapter stores beside its timings (measured now
+    unless given; a bare number leaves out the other processes)."""
+    measured = measure_ceiling() if measured is None else measured
+    if not isinstance(measured, Ceiling):
+        measured = Ceiling(float(measured), None)
+    line = f"ceiling: {measured.value:.2f} (1-thread / 2-thread matmul time; 2 = two free cores)"
+    if measured.others is not None:
+        line += f"; other processes: {measured.others:.2f} cores"
+    return line
+
+
+def require_quiet(minimum: float = QUIET_CEILING, max_others: float = QUIET_OTHERS,
+                  measured: Ceiling | None = None) -> Ceiling:
+    """The ceiling now (or ``measured``); a ``RuntimeError`` saying what was measured and what
+    is needed if the ratio is below ``minimum`` or other processes used more than
+    ``max_others`` cores meanwhile: outputs stored now would carry a busy machine's times."""
+    measured = measure_ceiling() if measured is None else measured
+    problems = []
+    if measured.value < minimum:
+        problems.append(f"ceiling {measured.value:.2f} (1-thread / 2-thread matmul time), needs "
+                        f">= {minimum:g}")
+    if measured.others is not None and measured.others > max_others:
+        problems.append(f"other processes used {measured.others:.2f} cores meanwhile, needs "
+                        f"<= {max_others:g}")
+    if problems:
+        raise RuntimeError(f"this machine is busy: {'; '.join(problems)}. Timings stored now "
+                           "would be a busy machine's: stop other work (tests, notebooks, "
+                           "helpers) and re-run.")
+    return measured

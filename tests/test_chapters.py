@@ -30,6 +30,7 @@ MAX_CELLS = 60
 OVER_LIMIT: dict[str, str] = {}  # file name -> the issue that brings it within the limit
 
 CEILING = re.compile(r"^ceiling: (\d+(?:\.\d+)?)\b", re.M)
+OTHERS = re.compile(r"^ceiling: .*other processes: (\d+(?:\.\d+)?) cores", re.M)
 TIMING = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|µs|us|s)\b|\b\d+\.\d+x\b|steps/s|examples/s")
 
 
@@ -65,11 +66,18 @@ def stored_ceilings(nb: dict) -> list[float]:
             for v in CEILING.findall(stored_text(c))]
 
 
+def stored_others(nb: dict) -> list[float]:
+    return [float(v) for c in nb["cells"] if c["cell_type"] == "code"
+            for v in OTHERS.findall(stored_text(c))]
+
+
 def ceiling_findings(nb: dict, name: str) -> list[str]:
     """What is wrong with a notebook's stored ceilings (empty: nothing)."""
     low, high = timing.CEILING_RANGE
     values = stored_ceilings(nb)
-    found = []
+    found = [f"{name} stored a run while other processes used {v:.2f} cores (at most "
+             f"{timing.QUIET_OTHERS} on a quiet machine); run `make execute` alone"
+             for v in stored_others(nb) if v > timing.QUIET_OTHERS]
     if stores_timing(nb) and not values:
         found.append(f"{name} stores timings but no 'ceiling: X' line of its own run")
     for v in values:
@@ -145,7 +153,12 @@ def test_the_ceiling_check_catches_busy_and_missing_runs():
         "10 stores timings but no 'ceiling: X' line of its own run"]
     untimed = notebook("same weights: True\n")
     assert ceiling_findings(untimed, "03") == []
+    beside = notebook("ceiling: 1.52 (1-thread / 2-thread matmul time; 2 = two free cores); "
+                      "other processes: 0.97 cores\n")  # one busy core: the ratio alone passes
+    assert [f for f in ceiling_findings(beside, "13") if "0.97 cores" in f] != []
 
 
 def test_ceiling_line_is_the_form_the_check_reads():
     assert CEILING.findall(timing.ceiling_line(1.834)) == ["1.83"]
+    line = timing.ceiling_line(timing.Ceiling(1.834, 0.031))
+    assert CEILING.findall(line) == ["1.83"] and OTHERS.findall(line) == ["0.03"]

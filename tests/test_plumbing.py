@@ -1,6 +1,9 @@
 """Shared plumbing: accel.checks, procs, timing, data, models, training, viz; the course registry
 and the CLI."""
 
+import subprocess
+import sys
+
 import matplotlib
 import numpy as np
 import pytest
@@ -25,6 +28,32 @@ def test_time_fn_and_format_ratios():
         timing.format_ratios({"a": 1.0}, "nope")
     with pytest.raises(ValueError, match="unit must be one of"):
         timing.format_ratios({"a": 1.0}, "a", unit="h")
+
+
+def test_require_quiet_decides_from_both_figures():
+    """Literal measurements: a low ratio, or other processes using a core, is a busy machine."""
+    ok = timing.Ceiling(1.83, 0.04)
+    assert timing.require_quiet(measured=ok) == ok
+    assert timing.require_quiet(measured=timing.Ceiling(1.83, None)).value == 1.83
+    with pytest.raises(RuntimeError, match=r"busy: ceiling 1\.12 .*needs >= 1\.3\..*re-run"):
+        timing.require_quiet(measured=timing.Ceiling(1.12, 0.0))
+    with pytest.raises(RuntimeError, match=r"other processes used 0\.97 cores meanwhile, "
+                                           r"needs <= 0\.35"):
+        timing.require_quiet(measured=timing.Ceiling(1.52, 0.97))  # one busy core beside
+    assert timing.ceiling_line(ok) == ("ceiling: 1.83 (1-thread / 2-thread matmul time; 2 = two "
+                                       "free cores); other processes: 0.04 cores")
+
+
+def test_ceiling_is_measured_here_and_the_command_refuses_a_busy_verdict():
+    measured = timing.measure_ceiling(n=64, repeat=1)
+    assert measured.value > 0 and (measured.others is None or measured.others >= 0)
+    with pytest.raises(ValueError, match="n must be"):
+        timing.measure_ceiling(n=0)
+    # no machine reaches a ratio of 100: the command must say busy and exit 1
+    proc = subprocess.run([sys.executable, "-m", "accel", "ceiling", "--require", "100"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.startswith("ceiling: ") and "this machine is busy" in proc.stderr
 
 
 def test_regression_is_reproducible_and_learnable():
