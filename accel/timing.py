@@ -124,7 +124,9 @@ def measure_ceiling(n: int = 1024, repeat: int = 9) -> Ceiling:
     cannot be switched in a running process). The two settings alternate, ``repeat`` times each
     after a warm-up, so a load that comes and goes hits both. Meanwhile, the CPU that other
     processes used (``/proc/stat`` minus this process's own time): the ratio alone misses some
-    loads (with two busy processes beside it, the one-thread run is slowed too)."""
+    loads (with two busy processes beside it, the one-thread run is slowed too). Threads of this
+    process count as its own: work that a chapter leaves running in the background lowers the
+    ratio, not ``others``."""
     import numpy as np
     from threadpoolctl import threadpool_limits
 

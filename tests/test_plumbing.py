@@ -50,7 +50,8 @@ def test_ceiling_is_measured_here_and_the_command_refuses_a_busy_verdict():
     with pytest.raises(ValueError, match="n must be"):
         timing.measure_ceiling(n=0)
     # no machine reaches a ratio of 100: the command must say busy and exit 1
-    proc = subprocess.run([sys.executable, "-m", "accel", "ceiling", "--require", "100"],
+    proc = subprocess.run([sys.executable, "-m", "accel", "ceiling", "--require", "100",
+                           "--attempts", "1"],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout.startswith("ceiling: ") and "this machine is busy" in proc.stderr

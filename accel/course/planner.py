@@ -29,7 +29,7 @@ def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
     Keras MLP trained with Adam, chapter 09's layers split over 3 devices (bytes on each),
     chapter 11's tensor-parallel shards of a transformer block and chapter 15's ZeRO stages 1-3
     on 4 devices (bytes on one device)."""
-    from accel.course import model_parallel as course07
+    from accel.course import model_parallel as course09
     from accel.parallel import model as mp
     from accel.parallel import tensor
     from accel.parallel.layers import mlp_layers
@@ -44,22 +44,22 @@ def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
         est.weights + est.gradients + est.optimizer_slots)
     sizes = [8, 16, 16, 16, 4]
     split = mp.split(mlp_layers(sizes), device_names[:3], [8])
-    mem = course07.memory_per_device(mp.SplitModel(split))
+    mem = course09.memory_per_device(mp.SplitModel(split))
     params = [a * b + b for a, b in zip(sizes, sizes[1:], strict=False)]
     for dev, parts in zip(split.devices, pl.stage_state_bytes(params, split.balance, "fp32"),
                           strict=True):
         e = mem[dev]["split"]
-        out[f"ch07 split, {dev[-5:]}"] = (int(sum(parts)),
+        out[f"ch09 split, {dev[-5:]}"] = (int(sum(parts)),
                                          e.weights + e.gradients + e.optimizer_slots)
     for t in (2, 4):
         shard = tensor.shard(tensor.init_block(hidden=16, heads=4), t)[0]
-        out[f"ch09 block over {t}, one device's weights"] = (
+        out[f"ch11 block over {t}, one device's weights"] = (
             int(pl.state_bytes(pl.layer_parameters(16, t), "fp32")[0]),
             4 * sum(int(np.size(v)) for v in shard.values()))
     arrays = models.mlp_init([8, 16, 4])  # 144 + 68 parameters: 4 equal slices, no padding
     for stage in (1, 2, 3):
         held = ZeroStep(arrays, device_names[:4], stage, squared_error).held_bytes()
-        out[f"ch12 ZeRO {stage} over 4, one device"] = (
+        out[f"ch15 ZeRO {stage} over 4, one device"] = (
             int(sum(pl.state_bytes(144 + 68, "fp32", stage, 4))), held[device_names[0]]["total"])
     return out
 

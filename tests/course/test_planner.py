@@ -11,7 +11,7 @@ def test_memory_checks_are_equal(four_devices):
     for name, (predicted, counted) in checks.items():
         assert predicted == counted, name
     # chapter 09's first device: 8x16+16 and 16x16+16 parameters, 16 bytes each (float32 Adam)
-    assert checks["ch07 split, CPU:0"][1] == 16 * (8 * 16 + 16 + 16 * 16 + 16)
+    assert checks["ch09 split, CPU:0"][1] == 16 * (8 * 16 + 16 + 16 * 16 + 16)
 
 
 def test_exercise_solution():
