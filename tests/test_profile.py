@@ -2,6 +2,8 @@
 tables, profiler traces against the ops that ran, and TF_CPP_MIN_LOG_LEVEL against TensorFlow
 started at each level."""
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -109,17 +111,21 @@ tf.debugging.set_log_device_placement(True)
 tf.function(lambda v: tf.sin(v) * 2.0)(tf.constant([1.0, 2.0]))"""
 
 
+@functools.cache
+def logged_at(level: int) -> list[tuple[str, str]]:
+    """(severity, message) of the log lines the child prints at this TF_CPP_MIN_LOG_LEVEL, in a
+    fresh interpreter (the level is read at import). Level 0 is each test's reference: run once."""
+    out = procs.run_python(CHILD, env={"TF_CPP_MIN_LOG_LEVEL": str(level)},
+                           quiet_tensorflow=False)
+    return sorted({(str(profile.log_severity(ln)), ln.split("] ", 1)[-1])
+                   for ln in out.splitlines()
+                   if "(Sin)" in ln or "Executing op" in ln or "cuInit" in ln})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("level", [1, 3])
 def test_tf_cpp_min_log_level_hides_what_visible_at_level_predicts(level):
-    def run(lv):
-        out = procs.run_python(CHILD, env={"TF_CPP_MIN_LOG_LEVEL": str(lv)},
-                               quiet_tensorflow=False)
-        return sorted({(str(profile.log_severity(ln)), ln.split("] ", 1)[-1])
-                       for ln in out.splitlines()
-                       if "(Sin)" in ln or "Executing op" in ln or "cuInit" in ln})
-
-    everything = run(0)
+    everything = logged_at(0)
     assert any(sev == "INFO" and msg.startswith("Executing op") for sev, msg in everything)
     hidden = ("INFO", "WARNING", "ERROR")[:level]
-    assert run(level) == [(s, m) for s, m in everything if s not in hidden]
+    assert logged_at(level) == [(s, m) for s, m in everything if s not in hidden]
