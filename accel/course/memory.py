@@ -19,11 +19,13 @@ __all__ = ["bench_memory", "figure_memory", "process_threads", "process_rss", "t
 
 
 def bench_memory(device_names: Sequence[str] = (), quick: bool = False) -> dict:
-    """Peak memory and step time: plain vs recompute vs mixed precision (ratios vs plain).
-    Runs on the memory device (``accel.memory.measure.memory_device``); ``device_names`` is
+    """Peak memory and step time: plain vs recompute vs mixed precision (ratios vs plain),
+    measured in a fresh process (small tensors otherwise come from chunks the allocator pooled
+    for earlier work in this one, and the peaks depend on that work). ``device_names`` is
     accepted for the benchmark registry's uniform signature."""
-    results = measure_variants_anywhere(batch=64 if quick else 1024, blocks=2 if quick else 16,
-                                        width=64, repeat=1 if quick else 7)
+    results = measure_variants_anywhere(fresh=True, batch=64 if quick else 1024,
+                                        blocks=2 if quick else 16, width=64,
+                                        repeat=1 if quick else 7)
     ratios = variant_ratios(results)
     print(format_ratios({k: v["seconds"] for k, v in results.items()}, "plain"))
     for name, r in ratios.items():

@@ -104,10 +104,15 @@ def measure_variants_anywhere(fresh: bool = False, **kwargs) -> dict[str, dict[s
     """``measure_variants(**kwargs)`` here if the allocator reports statistics, else in a fresh
     Python started with ``TF_CPU_ALLOCATOR_USE_BFC=true`` (e.g. from ``python -m accel``).
     ``fresh=True`` always uses a fresh Python: small tensors come from chunks the allocator
-    pooled earlier, so a peak measured after other work depends on that work."""
+    pooled earlier, so a peak measured after other work depends on that work. The fresh
+    Python runs its ops on one inter-op thread: with several, independent ops start in any
+    order and a step's peak changes from run to run (plain 1.23 or 0.81 MiB at batch 256, 4
+    blocks of width 32); one order makes the peaks repeatable."""
     if _stats_available() and not fresh:
         return measure_variants(**kwargs)
-    code = ("import json\nfrom accel.memory import savings as s\n"
+    code = ("import json\nimport tensorflow as tf\n"
+            "tf.config.threading.set_inter_op_parallelism_threads(1)  # one op order: see doc\n"
+            "from accel.memory import savings as s\n"
             f"print(json.dumps(s.measure_variants(**{kwargs!r})))")
     out = procs.run_python(code, env={"TF_CPU_ALLOCATOR_USE_BFC": "true"}, warm=True)
     return json.loads(out.strip().splitlines()[-1])

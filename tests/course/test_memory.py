@@ -61,7 +61,15 @@ def test_two_chains_rejects_bad_sizes():
         course_memory.two_chains(n=0)
 
 
+@pytest.mark.slow
 def test_bench_memory_quick():
+    """The quick benchmark runs (in a fresh process) and reports each variant against plain,
+    recomputed here from its results. At the quick sizes (16 KiB tensors) which variant peaks
+    lower is decided by the allocator's chunk sizes, not by the variant, so that claim is
+    tested at a size where it holds: tests/memory/test_memory.py, recompute_saves_memory."""
     out = course_memory.bench_memory(quick=True)
-    assert out["ratios"]["plain"] == {"peak_mib": 1.0, "seconds": 1.0}
-    assert out["results"]["recompute"]["peak_mib"] < out["results"]["plain"]["peak_mib"]
+    res = out["results"]
+    assert set(res) == {"plain", "recompute", "float16", "bfloat16"}
+    for name, r in res.items():
+        assert out["ratios"][name] == {k: r[k] / res["plain"][k] for k in ("peak_mib", "seconds")}
+        assert r["peak_mib"] > 0 and r["seconds"] > 0
