@@ -39,7 +39,8 @@ import threading
 import time
 
 __all__ = ["run_python", "ChildFailed", "Child", "start_python", "prewarm", "WARM_ENV",
-           "RUNTIME_ENV", "warm_available", "template_main"]
+           "RUNTIME_ENV", "warm_available", "template_main", "report_and_linger",
+           "wait_for_reports", "REPORT_PREFIX"]
 
 WARM_ENV = "ACCEL_WARM_START"
 # read only after import (at the first op, device listing or cluster use): a child may differ
@@ -320,6 +321,52 @@ def start_python(args: list[str], env: dict[str, str] | None = None, name: str =
     if not args or args[0] not in ("-m", "-c") or len(args) < 2:
         raise ValueError(f"args must start with '-m', MODULE or '-c', CODE, got {args!r}")
     return Child(args, _full_env(env, quiet_tensorflow), name, warm=warm)
+
+
+# ------------------------------------------------------------- ending a collective group together
+REPORT_PREFIX = "accel-report: "
+
+
+def report_and_linger(result, limit: float = 600.0) -> None:
+    """In a worker of a collective group (``MultiWorkerMirroredStrategy``, a ring): print
+    ``result`` as one JSON line marked ``REPORT_PREFIX``, then wait to be stopped.
+
+    A worker must not exit on its own once its last collective returns: collectives are pulled
+    over gRPC, so a peer may still be fetching this worker's last chunk, and would fail with
+    "Connection reset by peer" (seen when a fast worker exits first). The parent stops the
+    whole group once every worker has reported (``wait_for_reports``). ``limit`` seconds, or
+    the parent's exit, end the wait anyway."""
+    print(REPORT_PREFIX + json.dumps(result), flush=True)
+    parent, end = os.getppid(), time.monotonic() + limit
+    while time.monotonic() < end and os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(0)
+
+
+def wait_for_reports(children: list[Child], timeout: float) -> list:
+    """Wait until every child has printed its report (``report_and_linger``); return them in
+    order. ``ChildFailed`` if one exits without a report or ``timeout`` seconds pass. The
+    caller stops the children (``Child.stop``) afterwards, whatever happens."""
+    end = time.monotonic() + timeout
+    reports: list = [None] * len(children)
+    while True:
+        for i, c in enumerate(children):
+            if reports[i] is not None:
+                continue
+            alive = c.alive()  # read before the output: a report written just before exiting
+            out, err = c.output()
+            lines = [ln for ln in out.splitlines() if ln.startswith(REPORT_PREFIX)]
+            if lines:
+                reports[i] = json.loads(lines[-1][len(REPORT_PREFIX):])
+            elif not alive:
+                raise ChildFailed(f"{c.name} exited (code {c.popen.returncode}) without a "
+                                  f"report:\n{err[-1500:]}")
+        if all(r is not None for r in reports):
+            return reports
+        if time.monotonic() > end:
+            missing = [c.name for c, r in zip(children, reports, strict=True) if r is None]
+            raise ChildFailed(f"no report from {', '.join(missing)} within {timeout:g} s")
+        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------ the template itself

@@ -143,3 +143,35 @@ def test_warm_children_fail_time_out_and_can_be_switched_off(monkeypatch):
     assert not procs.warm_available()
     assert procs.run_python("import os; print(os.getppid())", warm=True).strip() == \
         str(os.getpid())
+
+
+def test_a_group_reports_then_is_stopped_together():
+    """``report_and_linger`` keeps a worker alive after its report (its peers may still be
+    pulling its last collective chunk); ``wait_for_reports`` returns once all have reported."""
+    code = ("import sys, time; from accel.procs import report_and_linger; "
+            "time.sleep(float(sys.argv[1])); print('noise'); "
+            "report_and_linger({'rank': int(sys.argv[2]), 'xs': [1.5, 2]})")
+    children = [procs.start_python(["-c", code, delay, str(rank)], name=f"w{rank}")
+                for rank, delay in enumerate(("0.0", "0.5"))]
+    try:
+        reports = procs.wait_for_reports(children, timeout=60)
+        assert reports == [{"rank": 0, "xs": [1.5, 2]}, {"rank": 1, "xs": [1.5, 2]}]
+        assert all(c.alive() for c in children)  # lingering until stopped
+    finally:
+        for c in children:
+            c.stop(grace=1.0)
+    assert not any(c.alive() for c in children)
+
+
+def test_waiting_for_reports_fails_clearly():
+    silent = procs.start_python(["-c", "import sys; print('oops', file=sys.stderr)"],
+                                name="silent")
+    slow = procs.start_python(["-c", "import time; time.sleep(60)"], name="slow")
+    try:
+        with pytest.raises(procs.ChildFailed, match="silent exited .code 0. without a report"
+                                                    "(.|\n)*oops"):
+            procs.wait_for_reports([silent], timeout=60)
+        with pytest.raises(procs.ChildFailed, match="no report from slow within 0.5 s"):
+            procs.wait_for_reports([slow], timeout=0.5)
+    finally:
+        slow.stop(grace=0.0)

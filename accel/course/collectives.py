@@ -44,7 +44,6 @@ import argparse
 import json
 import math
 import os
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -55,7 +54,7 @@ from accel.costmodel import collectives as cost
 from accel.costmodel import fit as fitting
 from accel.costmodel.hardware import link_bandwidth
 from accel.distributed.cluster import LocalCluster, make_cluster, tf_config
-from accel.procs import ChildFailed, run_python, start_python
+from accel.procs import report_and_linger, run_python, start_python, wait_for_reports
 
 __all__ = ["TF_IMPLEMENTATIONS", "tf_strategy", "tf_all_reduce", "placed", "inprocess_times",
            "bytes_table", "LINK_CASES", "figure_alpha_beta", "check_exercise", "KIB", "MIB",
@@ -287,8 +286,8 @@ def client(cluster: dict, sizes: Sequence[int], repeat: int, chain: int = CHAIN,
 
 def tf_ring_sweep(workers: int = 2, sizes: Sequence[int] = SIZES, repeat: int = 5,
                   timeout: float = 300.0, chain: int = CHAIN) -> dict:
-    """Start ``workers`` strategy processes, wait for all (bounded by ``timeout`` seconds), end
-    them whatever happens, and return worker 0's result."""
+    """Start ``workers`` strategy processes, wait for every report (bounded by ``timeout``
+    seconds), then end them all together, whatever happens; return worker 0's result."""
     cluster = make_cluster(ps=0, workers=workers)
     args = ["-m", "accel.course.collectives", "--sizes", *map(str, sizes), "--repeat",
             str(repeat), "--chain", str(chain)]
@@ -298,20 +297,7 @@ def tf_ring_sweep(workers: int = 2, sizes: Sequence[int] = SIZES, repeat: int = 
             children.append(start_python(args, env={"TF_CONFIG": tf_config(cluster, "worker",
                                                                             i)},
                                          name=f"worker:{i}"))
-        end = time.monotonic() + timeout
-        while any(c.alive() for c in children):
-            if time.monotonic() > end:
-                raise ChildFailed(f"all-reduce workers ran past {timeout:g} s")
-            for c in children:
-                if not c.alive() and c.popen.returncode != 0:
-                    raise ChildFailed(f"{c.name} failed (exit {c.popen.returncode}):\n"
-                                      f"{c.output()[1][-1500:]}")
-            time.sleep(0.1)
-        for c in children:
-            if c.popen.returncode != 0:
-                raise ChildFailed(f"{c.name} failed (exit {c.popen.returncode}):\n"
-                                  f"{c.output()[1][-1500:]}")
-        return json.loads(children[0].output()[0].strip().splitlines()[-1])
+        return wait_for_reports(children, timeout)[0]
     finally:
         for c in children:
             c.stop(grace=1.0)
@@ -417,7 +403,7 @@ def figure_loopback(result: dict):
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m accel.course.collectives --sizes B ... --repeat R`` (reads
-    ``TF_CONFIG``): prints this worker's result as one JSON line."""
+    ``TF_CONFIG``): reports this worker's result (``procs.report_and_linger``)."""
     parser = argparse.ArgumentParser(prog="python -m accel.course.collectives")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--repeat", type=int, default=5)
@@ -425,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if "TF_CONFIG" not in os.environ:
         raise SystemExit("TF_CONFIG is not set: this runs as one worker of a cluster")
-    print(json.dumps(worker(args.sizes, args.repeat, args.chain)), flush=True)
+    report_and_linger(worker(args.sizes, args.repeat, args.chain))
 
 
 def hand_sweep(workers: int = 2, sizes: Sequence[int] = SIZES, repeat: int = 5,

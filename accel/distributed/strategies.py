@@ -34,7 +34,7 @@ import numpy as np
 
 from accel import checks, models, training
 from accel.distributed.cluster import make_cluster, parse_tf_config, tf_config
-from accel.procs import Child, ChildFailed, start_python
+from accel.procs import ChildFailed, report_and_linger, start_python, wait_for_reports
 
 __all__ = ["POLICIES", "run_workers", "fault_tolerant_run", "write_shard_files",
            "shard_rows_by_hand"]
@@ -80,14 +80,6 @@ def _spec(init, batches, lr, **extra) -> dict:
             "y": [b[1].tolist() for b in batches], "lr": lr, **extra}
 
 
-def _finish(child: Child, deadline: float) -> dict:
-    code = child.wait(max(deadline - time.monotonic(), 0.1))
-    out, err = child.output()
-    if code != 0 or not out.strip():
-        raise ChildFailed(f"{child.name} failed (exit {code}):\n{err[-1500:]}")
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def run_workers(init: list[np.ndarray], batches: list, lr: float, workers: int = 2,
                 host: str = "127.0.0.1", checkpoint_dir: str | None = None, every: int = 0,
                 shard_files: list[str] | None = None, pause_at: int | None = None,
@@ -127,8 +119,8 @@ def run_workers(init: list[np.ndarray], batches: list, lr: float, workers: int =
                 time.sleep(0.05)
             if not hang:
                 victim.stop(grace=0.0)
-            return [_finish(c, deadline) for c in children[:-1]]
-        return [_finish(c, deadline) for c in children]
+            return wait_for_reports(children[:-1], max(deadline - time.monotonic(), 0.1))
+        return wait_for_reports(children, max(deadline - time.monotonic(), 0.1))
     finally:
         for c in children:
             c.stop()
@@ -250,6 +242,7 @@ if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "worker":
         raise SystemExit("usage: python -m accel.distributed.strategies worker SPEC")
     with open(sys.argv[2]) as spec_file:
-        print(json.dumps(_worker(json.load(spec_file))), flush=True)
-    sys.stdout.flush()
-    os._exit(0)  # a failed collective leaves threads that would keep the process alive
+        spec = json.load(spec_file)
+    # waits to be stopped with the others, and exits without waiting for the threads a failed
+    # collective leaves behind
+    report_and_linger(_worker(spec))

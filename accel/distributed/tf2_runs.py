@@ -27,7 +27,7 @@ import numpy as np
 
 from accel import models, training
 from accel.distributed.cluster import LocalCluster, make_cluster, parse_tf_config, tf_config
-from accel.procs import ChildFailed, start_python
+from accel.procs import ChildFailed, report_and_linger, start_python, wait_for_reports
 
 __all__ = ["coordinated_run", "mirrored_run"]
 
@@ -98,7 +98,7 @@ def mirrored_run(init: list[np.ndarray], batches: list, lr: float, workers: int 
                              env={"TF_CONFIG": tf_config(cluster, "worker", w)},
                              name=f"worker:{w}") for w in range(workers)]
     try:
-        reports = [_wait_json(c, timeout) for c in children]
+        reports = wait_for_reports(children, timeout)
     finally:
         for c in children:
             c.stop()
@@ -189,6 +189,8 @@ if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in ("coordinator", "mirrored"):
         raise SystemExit("usage: python -m accel.distributed.tf2_runs coordinator|mirrored SPEC")
     with open(sys.argv[2]) as f:
-        run = _coordinator if sys.argv[1] == "coordinator" else _mirrored
-        print(json.dumps(run(json.load(f))), flush=True)
+        spec = json.load(f)
+    if sys.argv[1] == "mirrored":  # ends with the other workers (see report_and_linger)
+        report_and_linger(_mirrored(spec))
+    print(json.dumps(_coordinator(spec)), flush=True)
     os._exit(0)  # the coordinator's threads would keep a finished process alive
