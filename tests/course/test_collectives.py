@@ -36,6 +36,7 @@ def test_tf_implementations_and_bytes_table(four_devices):
     assert rows[1][1] == [3 * 36, 36, 36, 36]  # through device 0: (n - 1) S, then S
 
 
+@pytest.mark.slow  # several seconds: left to make test, out of make quick
 def test_tf_packing_counts_the_collectives_tensorflow_launched(four_devices):
     """64 gradients of 1 KiB: bytes_per_pack=1 closes a pack after every tensor (64); 16 KiB
     closes one once it holds more than 16 KiB, i.e. 17 tensors (17, 17, 17, 13: 4); 0 is

@@ -57,6 +57,7 @@ def test_explain_ratios_against_hand_computed_times(capsys):
     assert "effective slowdown 2.50 (padded: 4)" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # several seconds: left to make test, out of make quick
 def test_figures_build(four_devices):
     fig = sync_async.figure_staleness()
     assert len(fig.axes) == 2

@@ -2,6 +2,8 @@
 prints (counted equals formula), the figure. (The quick benchmark runs in the test of all
 benchmarks.)"""
 
+import pytest
+
 from accel.course import zero as course
 
 
@@ -14,6 +16,7 @@ def test_exercise_checks():
     assert course.check_offload_tokens(100).startswith("not quite")
 
 
+@pytest.mark.slow  # several seconds: left to make test, out of make quick
 def test_tables_count_what_the_formulas_say(four_devices):
     steps = course.make_steps(four_devices, n=4, sizes=[4, 8, 4], batch=8)
     assert "offload" not in steps  # no device left for the host
