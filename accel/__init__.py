@@ -53,12 +53,16 @@ parallel     accel.parallel.staleness (06)     the server's decision rules, reco
              accel.parallel.local_sgd (13)     replicas average their weights every k steps
              accel.parallel.inputs (08)        TFRecord files through tf.data, split per tower
              accel.parallel.partition (09-10)  cutting layers into balanced parts (pure)
+             accel.parallel.keras_model (09-)  the model contract: a Keras Sequential's layers
+                                               copied onto devices, trained, written back
              accel.parallel.layers (09-10)     a model as a list of layers (fn, arrays) / Keras
              accel.parallel.model (09)         model parallelism: split, split step (TF2, TF1),
                                                hybrid replicas x stages
              accel.parallel.trace (09-)        bytes crossing devices; per-device busy time
-             accel.parallel.pipeline (10)      GPipe / 1F1B schedules as data (pure, no TF)
-             accel.parallel.pipeline_exec (10) running any schedule on devices, a thread a stage
+             accel.parallel.pipeline (10)      GPipe / 1F1B / interleaved 1F1B schedules as data
+                                               (pure, no TF)
+             accel.parallel.pipeline_exec (10) running any schedule on devices, a thread a
+                                               device; Pipeline: a Keras Sequential trained so
              accel.parallel.tensor (11)        tensor parallelism by hand: column/row-parallel
                                                dense, Megatron MLP and transformer block
              accel.parallel.mesh (11)          the same with DTensor: meshes, layouts, relayouts

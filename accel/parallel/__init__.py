@@ -17,8 +17,12 @@
   (TF2 and TF1 forms), hybrid replicas x stages;
 - ``accel.parallel.trace`` (07): what crossed between devices (bytes) and when each device was
   busy, from what TensorFlow executed;
-- ``accel.parallel.pipeline`` (08): pipeline schedules (GPipe, 1F1B) as plain data, no TensorFlow;
-- ``accel.parallel.pipeline_exec`` (08): running any such schedule on TensorFlow devices;
+- ``accel.parallel.keras_model`` (09-): the model contract every form shares: a Keras
+  ``Sequential``'s layers copied onto devices, trained there, their weights written back;
+- ``accel.parallel.pipeline`` (10): pipeline schedules (GPipe, 1F1B, interleaved 1F1B) as plain
+  data, no TensorFlow;
+- ``accel.parallel.pipeline_exec`` (10): running any such schedule on TensorFlow devices;
+  ``Pipeline``, a Keras ``Sequential`` trained that way;
 - ``accel.parallel.tensor`` (09): tensor parallelism by hand: column- and row-parallel dense
   layers, Megatron's f and g, the MLP and a transformer block with its heads split;
 - ``accel.parallel.mesh`` (09): the same with DTensor: meshes, layouts, the collectives it inserts;

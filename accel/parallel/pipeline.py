@@ -14,11 +14,22 @@ and ``m`` micro-batches every stage runs ``2m`` tasks:
   non-interleaved "1F1B" of PipeDream-Flush, Narayanan et al. 2021, arXiv:2104.04473). Same
   length of clock, but a stage never holds more than ``p - j`` micro-batches.
 
-Both schedules come from per-stage task orders placed on the clock by ``clock_schedule``: a task
+* ``interleaved_schedule(m, p, v)``: each of the ``p`` devices holds ``v`` model chunks, so
+  the model is cut into ``p * v`` *virtual stages*; virtual stage ``s`` runs on device
+  ``s % p`` (Megatron's placement: device 0 holds stages 0, p, 2p, ...). Devices run one
+  micro-batch chunk after another in groups of ``p`` micro-batches, with Megatron's warm-up of
+  ``2 (p - d - 1) + (v - 1) p`` forwards on device ``d`` (Narayanan et al. 2021, section 2.2;
+  ``m`` must be a multiple of ``p``). A task is a chunk, ``1/v`` of a full stage.
+
+All three come from per-device task orders placed on the clock by ``clock_schedule``: a task
 runs at the first tick after the tasks it depends on (the forward on the previous stage, the
-backward on the next stage, its own forward) and after its stage's previous task. With every
+backward on the next stage, its own forward) and after its device's previous task. With every
 task one tick long the idle fraction of the clock is ``bubble_fraction(p, m) = (p-1)/(m+p-1)``
-for both schedules (``idle_fraction`` measures it on a schedule).
+for GPipe and 1F1B, and ``bubble_fraction(p, m, v) = (p-1)/(v m + p-1)`` interleaved
+(``idle_fraction`` measures it on a schedule).
+
+Where a function takes ``num_devices``, stages are virtual: stage ``s`` on device
+``s % num_devices``; left out, every stage has a device of its own.
 """
 
 from __future__ import annotations
@@ -27,8 +38,9 @@ from collections.abc import Callable, Sequence
 
 from accel import checks
 
-__all__ = ["PHASES", "Task", "gpipe_orders", "one_f_one_b_orders", "clock_schedule",
-           "gpipe_schedule", "one_f_one_b_schedule", "validate_schedule", "stage_orders",
+__all__ = ["PHASES", "Task", "gpipe_orders", "one_f_one_b_orders", "interleaved_orders",
+           "clock_schedule", "gpipe_schedule", "one_f_one_b_schedule", "interleaved_schedule",
+           "SCHEDULES", "make_schedule", "validate_schedule", "stage_orders", "device_orders",
            "bubble_fraction", "idle_fraction", "peak_in_flight", "format_schedule", "simulate",
            "interval_idle_fractions"]
 
@@ -65,6 +77,39 @@ def one_f_one_b_orders(num_microbatches: int, num_stages: int) -> list[list[Task
     return orders
 
 
+def interleaved_orders(num_microbatches: int, num_stages: int,
+                       num_chunks: int) -> list[list[Task]]:
+    """Interleaved 1F1B's task order on each of ``num_stages`` devices, each holding
+    ``num_chunks`` chunks: tasks name virtual stages ``c * p + d`` (chunk ``c`` of device
+    ``d``). Forwards go through the chunks in groups of ``p`` micro-batches (micro-batches
+    0..p-1 on chunk 0, the same on chunk 1, ..., then micro-batches p..2p-1); backwards the
+    same with the chunks reversed; device ``d`` runs ``2 (p - d - 1) + (v - 1) p`` warm-up
+    forwards, then one forward and one backward in turn, then the remaining backwards."""
+    _check_sizes(num_microbatches, num_stages)
+    checks.positive_int("num_chunks", num_chunks)
+    m, p, v = num_microbatches, num_stages, num_chunks
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs num_microbatches a multiple of num_stages: "
+                         f"got num_microbatches={m}, num_stages={p}")
+    total = m * v
+
+    def task(d: int, k: int, phase: str) -> Task:
+        chunk = (k // p) % v
+        if phase == "B":
+            chunk = v - 1 - chunk
+        return (chunk * p + d, (k // (p * v)) * p + k % p, phase)
+
+    orders = []
+    for d in range(p):
+        warmup = min(2 * (p - d - 1) + (v - 1) * p, total)
+        order = [task(d, k, "F") for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [task(d, warmup + k, "F"), task(d, k, "B")]
+        order += [task(d, k, "B") for k in range(total - warmup, total)]
+        orders.append(order)
+    return orders
+
+
 def _dependencies(task: Task, num_stages: int) -> list[Task]:
     stage, mb, phase = task
     if phase == "F":
@@ -73,19 +118,25 @@ def _dependencies(task: Task, num_stages: int) -> list[Task]:
     return deps + ([(stage + 1, mb, "B")] if stage < num_stages - 1 else [])
 
 
-def clock_schedule(orders: Sequence[Sequence[Task]]) -> list[list[Task]]:
-    """Place per-stage task orders on a clock of unit-length ticks: each task at the first tick
-    after its dependencies and its stage's previous task. ``orders[j]`` lists stage ``j``'s tasks
-    (each ``(j, microbatch, phase)``). ``ValueError`` if the orders deadlock (a task waits for
-    one that its own stage can only run later)."""
+def clock_schedule(orders: Sequence[Sequence[Task]],
+                   num_stages: int | None = None) -> list[list[Task]]:
+    """Place per-device task orders on a clock of unit-length ticks: each task at the first tick
+    after its dependencies and its device's previous task. ``orders[d]`` lists device ``d``'s
+    tasks; with ``num_stages`` (virtual stages, default one per device) a task's stage ``s``
+    must sit on device ``s % len(orders)``. ``ValueError`` if the orders deadlock (a task waits
+    for one that its own device can only run later)."""
     p = len(orders)
     if p == 0:
-        raise ValueError("orders is empty: give one task list per stage")
+        raise ValueError("orders is empty: give one task list per device")
+    num_stages = p if num_stages is None else _check_virtual(num_stages, p)
     for j, order in enumerate(orders):
         for task in order:
-            if task[0] != j or task[2] not in PHASES:
-                raise ValueError(f"stage {j}'s order holds {task!r}: tasks must be "
-                                 f"({j}, microbatch, 'F' or 'B')")
+            if not (isinstance(task, tuple) and len(task) == 3 and task[2] in PHASES
+                    and isinstance(task[0], int) and 0 <= task[0] < num_stages
+                    and task[0] % p == j):
+                raise ValueError(f"device {j}'s order holds {task!r}: tasks must be "
+                                 f"(stage, microbatch, 'F' or 'B') with a stage < {num_stages} "
+                                 f"placed on device {j} (stage % {p} == {j})")
     done: dict[Task, int] = {}
     position = [0] * p
     ticks: list[list[Task]] = []
@@ -95,7 +146,7 @@ def clock_schedule(orders: Sequence[Sequence[Task]]) -> list[list[Task]]:
         for j in range(p):
             if position[j] < len(orders[j]):
                 task = orders[j][position[j]]
-                if all(done.get(d, tick) < tick for d in _dependencies(task, p)):
+                if all(done.get(d, tick) < tick for d in _dependencies(task, num_stages)):
                     ready.append(task)
         if not ready:
             waiting = [orders[j][position[j]] for j in range(p) if position[j] < len(orders[j])]
@@ -103,9 +154,18 @@ def clock_schedule(orders: Sequence[Sequence[Task]]) -> list[list[Task]]:
                              f"for another ({waiting})")
         for task in ready:
             done[task] = tick
-            position[task[0]] += 1
+            position[task[0] % p] += 1
         ticks.append(ready)
     return ticks
+
+
+def _check_virtual(num_stages: int, num_devices: int) -> int:
+    checks.positive_int("num_stages", num_stages)
+    checks.positive_int("num_devices", num_devices)
+    if num_stages % num_devices:
+        raise ValueError(f"{num_stages} stages do not spread evenly over {num_devices} devices: "
+                         "num_stages must be a multiple of num_devices")
+    return num_stages
 
 
 def gpipe_schedule(num_microbatches: int, num_stages: int) -> list[list[Task]]:
@@ -118,25 +178,56 @@ def one_f_one_b_schedule(num_microbatches: int, num_stages: int) -> list[list[Ta
     return clock_schedule(one_f_one_b_orders(num_microbatches, num_stages))
 
 
+def interleaved_schedule(num_microbatches: int, num_stages: int,
+                         num_chunks: int) -> list[list[Task]]:
+    """Interleaved 1F1B on the clock: ``num_stages`` devices, ``num_chunks`` chunks each,
+    tasks on virtual stages ``0 .. num_stages * num_chunks - 1`` (module docstring)."""
+    return clock_schedule(interleaved_orders(num_microbatches, num_stages, num_chunks),
+                          num_stages * num_chunks)
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def make_schedule(name: str, num_microbatches: int, num_stages: int,
+                  num_chunks: int = 1) -> list[list[Task]]:
+    """A schedule by name (``SCHEDULES``); ``num_chunks`` > 1 only for ``"interleaved"``."""
+    checks.positive_int("num_chunks", num_chunks)
+    if name == "interleaved":
+        return interleaved_schedule(num_microbatches, num_stages, num_chunks)
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}: choose one of {SCHEDULES}")
+    if num_chunks != 1:
+        raise ValueError(f"num_chunks={num_chunks} needs the 'interleaved' schedule; {name!r} "
+                         "puts one chunk on each device")
+    build = gpipe_schedule if name == "gpipe" else one_f_one_b_schedule
+    return build(num_microbatches, num_stages)
+
+
 def validate_schedule(schedule: Sequence[Sequence[Task]], num_stages: int,
-                      num_microbatches: int) -> None:
+                      num_microbatches: int, num_devices: int | None = None) -> None:
     """``ValueError`` naming the first problem unless ``schedule`` runs every forward and every
-    backward exactly once, at most one task per stage per tick, and no task before the tasks it
-    depends on (the previous stage's forward, the next stage's backward, its own forward)."""
+    backward exactly once, at most one task per device per tick (stage ``s`` on device
+    ``s % num_devices``; default: a device per stage), and no task before the tasks it depends
+    on (the previous stage's forward, the next stage's backward, its own forward)."""
     _check_sizes(num_microbatches, num_stages)
+    num_devices = num_stages if num_devices is None else num_devices
+    _check_virtual(num_stages, num_devices)
     when: dict[Task, int] = {}
     for tick, tasks in enumerate(schedule):
-        stages = [t[0] if isinstance(t, tuple) and len(t) == 3 else None for t in tasks]
         for task in tasks:
             if not (isinstance(task, tuple) and len(task) == 3 and task[2] in PHASES
+                    and isinstance(task[0], int) and isinstance(task[1], int)
                     and 0 <= task[0] < num_stages and 0 <= task[1] < num_microbatches):
                 raise ValueError(f"tick {tick}: {task!r} is not a (stage < {num_stages}, "
                                  f"microbatch < {num_microbatches}, 'F' or 'B') task")
             if task in when:
                 raise ValueError(f"task {task!r} runs twice (ticks {when[task]} and {tick})")
             when[task] = tick
-        if len(set(stages)) != len(stages):
-            raise ValueError(f"tick {tick}: a stage runs two tasks at once ({list(tasks)})")
+        devices = [t[0] % num_devices for t in tasks]
+        if len(set(devices)) != len(devices):
+            what = "a stage" if num_devices == num_stages else "a device"
+            raise ValueError(f"tick {tick}: {what} runs two tasks at once ({list(tasks)})")
     for j in range(num_stages):
         for i in range(num_microbatches):
             for phase in PHASES:
@@ -150,7 +241,7 @@ def validate_schedule(schedule: Sequence[Sequence[Task]], num_stages: int,
 
 
 def stage_orders(schedule: Sequence[Sequence[Task]], num_stages: int) -> list[list[Task]]:
-    """The order in which each stage runs its tasks (what a device's log should show)."""
+    """The order in which each stage runs its tasks."""
     orders: list[list[Task]] = [[] for _ in range(num_stages)]
     for tasks in schedule:
         for task in sorted(tasks):
@@ -158,14 +249,28 @@ def stage_orders(schedule: Sequence[Sequence[Task]], num_stages: int) -> list[li
     return orders
 
 
-def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """The idle share of a synchronous pipeline's clock, (p - 1) / (m + p - 1)."""
+def device_orders(schedule: Sequence[Sequence[Task]], num_devices: int) -> list[list[Task]]:
+    """The order in which each device runs its tasks, stage ``s`` on device
+    ``s % num_devices`` (what a device's log should show)."""
+    checks.positive_int("num_devices", num_devices)
+    orders: list[list[Task]] = [[] for _ in range(num_devices)]
+    for tasks in schedule:
+        for task in sorted(tasks):
+            orders[task[0] % num_devices].append(task)
+    return orders
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> float:
+    """The idle share of a synchronous pipeline's clock on ``num_stages`` devices,
+    (p - 1) / (v m + p - 1); ``v = num_chunks`` = 1 for GPipe and 1F1B."""
     _check_sizes(num_microbatches, num_stages)
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    checks.positive_int("num_chunks", num_chunks)
+    return (num_stages - 1) / (num_chunks * num_microbatches + num_stages - 1)
 
 
 def idle_fraction(schedule: Sequence[Sequence[Task]], num_stages: int) -> float:
-    """Idle stage-ticks over all stage-ticks of ``schedule`` (every task one tick long)."""
+    """Idle device-ticks over all device-ticks of ``schedule`` (every task one tick long);
+    ``num_stages``: the number of devices (rows) the schedule runs on."""
     checks.positive_int("num_stages", num_stages)
     if not schedule:
         raise ValueError("schedule is empty")
@@ -185,28 +290,37 @@ def peak_in_flight(schedule: Sequence[Sequence[Task]], num_stages: int) -> list[
     return peak
 
 
-def format_schedule(schedule: Sequence[Sequence[Task]], num_stages: int) -> str:
-    """The schedule as text: one row per stage, one column per tick, ``F3`` / ``B3`` for the
-    forward / backward of micro-batch 3, ``.`` where the stage idles."""
+def format_schedule(schedule: Sequence[Sequence[Task]], num_stages: int,
+                    num_devices: int | None = None) -> str:
+    """The schedule as text: one row per stage (per device with ``num_devices``), one column
+    per tick, ``F3`` / ``B3`` for the forward / backward of micro-batch 3 (``F3c1``: on the
+    device's chunk 1, with virtual stages), ``.`` where the row idles."""
     checks.positive_int("num_stages", num_stages)
-    cells = [["."] * len(schedule) for _ in range(num_stages)]
+    rows_n = num_stages if num_devices is None else num_devices
+    _check_virtual(num_stages, rows_n)
+    cells = [["."] * len(schedule) for _ in range(rows_n)]
     for t, tasks in enumerate(schedule):
         for stage, mb, phase in tasks:
-            cells[stage][t] = f"{phase}{mb}"
+            chunk = f"c{stage // rows_n}" if rows_n != num_stages else ""
+            cells[stage % rows_n][t] = f"{phase}{mb}{chunk}"
     width = max(2, *(len(c) for row in cells for c in row))
-    head = "tick    " + " ".join(f"{t:>{width}}" for t in range(len(schedule)))
-    rows = [f"stage {j} " + " ".join(f"{c:>{width}}" for c in row) for j, row in enumerate(cells)]
+    label = "stage" if rows_n == num_stages else "device"
+    head = f"{'tick':<{len(label) + 3}}" + " ".join(f"{t:>{width}}" for t in range(len(schedule)))
+    rows = [f"{label} {j} " + " ".join(f"{c:>{width}}" for c in row)
+            for j, row in enumerate(cells)]
     return "\n".join([head, *rows])
 
 
-def simulate(orders: Sequence[Sequence[Task]],
-             durations: Callable[[Task], float]) -> list[list[tuple[Task, float, float]]]:
-    """Per-stage task orders played out with real durations (``durations(task)`` seconds): each
-    task starts when its stage is free and the tasks it depends on have ended. Returns each
-    stage's ``(task, start, end)`` list: a timeline predicted from measured task times."""
+def simulate(orders: Sequence[Sequence[Task]], durations: Callable[[Task], float],
+             num_stages: int | None = None) -> list[list[tuple[Task, float, float]]]:
+    """Per-device task orders played out with real durations (``durations(task)`` seconds):
+    each task starts when its device is free and the tasks it depends on have ended
+    (``num_stages``: virtual stages, as in ``clock_schedule``). Returns each device's
+    ``(task, start, end)`` list: a timeline predicted from measured task times."""
     p = len(orders)
     if p == 0:
-        raise ValueError("orders is empty: give one task list per stage")
+        raise ValueError("orders is empty: give one task list per device")
+    num_stages = p if num_stages is None else _check_virtual(num_stages, p)
     end: dict[Task, float] = {}
     free, position = [0.0] * p, [0] * p
     out: list[list[tuple[Task, float, float]]] = [[] for _ in range(p)]
@@ -217,7 +331,7 @@ def simulate(orders: Sequence[Sequence[Task]],
             if position[j] == len(orders[j]):
                 continue
             task = orders[j][position[j]]
-            deps = _dependencies(task, p)
+            deps = _dependencies(task, num_stages)
             if all(d in end for d in deps):
                 start = max([free[j], *(end[d] for d in deps)])
                 seconds = checks.non_negative_number(f"durations({task!r})", durations(task))

@@ -1,12 +1,15 @@
-"""Running a pipeline schedule on TensorFlow devices: stage ``s`` on ``devices[s]``.
+"""Running a pipeline schedule on TensorFlow devices.
 
 A *stage* is a function ``fn(params, x) -> y`` with its variables, pinned to one device (the
 layers of one part of a split, ``accel.parallel.partition``). ``run_schedule`` executes any
-schedule in the format of ``accel.parallel.pipeline`` (GPipe, 1F1B or your own), after checking
-it with ``validate_schedule``:
+schedule in the format of ``accel.parallel.pipeline`` (GPipe, 1F1B, interleaved 1F1B or your
+own), after checking it with ``validate_schedule``. The stages' devices say where each runs:
+``p`` different devices for ``p`` stages, or, for virtual stages (interleaved 1F1B), the ``p``
+devices repeated, stage ``s`` on the device of stage ``s % p`` (``[d0, d1, d0, d1]``):
 
-* one Python thread per stage runs that stage's tasks in the schedule's order, each task starting
-  when the tasks it depends on have finished (the stage threads overlap, as devices do);
+* one Python thread per device runs that device's tasks in the schedule's order, each task
+  starting when the tasks it depends on have finished (the device threads overlap, as devices
+  do);
 * the forward of micro-batch ``i`` on stage ``s`` runs under a ``tf.GradientTape`` that is kept
   (its activations are *stashed*) until the backward of ``i`` on ``s`` consumes it; with
   ``recompute=True`` only the stage's input is kept and the forward is run again during the
@@ -18,6 +21,7 @@ it with ``validate_schedule``:
 
 The run returns each device's log ``(task, start, end)`` (from ``clock``), the order in which it
 ran its tasks, and the peak number of stashed micro-batches per stage, counted as it runs.
+``accel.parallel.keras_pipeline`` builds the stages from a Keras ``Sequential``.
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ import tensorflow as tf
 
 from accel import checks
 from accel.devices import parse_device
-from accel.parallel.pipeline import Task, interval_idle_fractions, stage_orders, validate_schedule
+from accel.parallel.pipeline import Task, device_orders, interval_idle_fractions, validate_schedule
 from accel.training import make_update
 
-__all__ = ["Stage", "PipelineRun", "split_microbatches", "run_schedule", "make_pipeline_step",
-           "measured_idle_fractions"]
+__all__ = ["Stage", "PipelineRun", "split_microbatches", "stage_devices", "run_schedule",
+           "make_pipeline_step", "measured_idle_fractions", "Pipeline"]
 
 
 @dataclass
@@ -58,7 +62,7 @@ class PipelineRun:
     peak_stash: list[int] = field(default_factory=list)
 
     def orders(self) -> list[list[Task]]:
-        """The order in which each stage ran its tasks."""
+        """The order in which each device ran its tasks."""
         return [[task for task, _, _ in entries] for entries in self.log]
 
 
@@ -89,8 +93,9 @@ class _Run:
         self.lock = threading.Lock()
         self.error: BaseException | None = None
         p = len(stages)
+        self.num_devices = len(stage_devices(stages))
         self.grads: list[list | None] = [None] * p
-        self.log: list[list] = [[] for _ in range(p)]
+        self.log: list[list] = [[] for _ in range(self.num_devices)]
         self.held, self.peak = [0] * p, [0] * p
 
     def wait(self, task: Task) -> None:
@@ -156,19 +161,36 @@ class _Run:
         with self.lock:
             self.held[s] -= 1
 
-    def stage_loop(self, s: int, order: list[Task]) -> None:
+    def device_loop(self, d: int, order: list[Task]) -> None:
+        task = None
         try:
             for task in order:
                 self.wait(task)
                 start = self.clock()
-                (self.forward if task[2] == "F" else self.backward)(s, task[1])
-                self.log[s].append((task, start, self.clock()))
+                (self.forward if task[2] == "F" else self.backward)(task[0], task[1])
+                self.log[d].append((task, start, self.clock()))
                 self.done[task].set()
         except BaseException as exc:  # handed to the caller
             with self.lock:
                 if self.error is None:
                     self.error = exc
-                    exc.add_note(f"raised by pipeline stage {s} on {self.stages[s].device}")
+                    where = "" if task is None else f"stage {task[0]} "
+                    exc.add_note(f"raised by pipeline {where}on {self.stages[d].device}")
+
+
+def stage_devices(stages: Sequence[Stage]) -> list[str]:
+    """The distinct devices of ``stages`` (``ValueError`` unless stage ``s`` sits on the device
+    of stage ``s % p``, ``p`` the number of distinct devices: one device per stage, or virtual
+    stages placed round-robin as interleaved 1F1B wants)."""
+    names = [parse_device(st.device).to_string() for st in stages]
+    devices = list(dict.fromkeys(names))
+    p = len(devices)
+    if len(names) % p or any(names[s] != names[s % p] for s in range(len(names))) \
+            or names[:p] != devices:
+        raise ValueError(f"stage devices {[st.device for st in stages]}: give one device per "
+                         f"stage, or {p} devices repeated in order (stage s on the device of "
+                         f"stage s % {p})")
+    return devices
 
 
 def run_schedule(stages: Sequence[Stage], schedule, x, y, loss_fn: Callable,
@@ -180,14 +202,13 @@ def run_schedule(stages: Sequence[Stage], schedule, x, y, loss_fn: Callable,
     stages = list(stages)
     if not stages:
         raise ValueError("stages is empty: give one Stage per device")
-    for st in stages:
-        parse_device(st.device)
-    validate_schedule(schedule, len(stages), num_microbatches)
+    num_devices = len(stage_devices(stages))
+    validate_schedule(schedule, len(stages), num_microbatches, num_devices)
     run = _Run(stages, split_microbatches(x, y, num_microbatches), loss_fn, recompute, clock)
-    orders = stage_orders(schedule, len(stages))
+    orders = device_orders(schedule, num_devices)
     run.done = {task: threading.Event() for order in orders for task in order}
-    threads = [threading.Thread(target=run.stage_loop, args=(s, order), daemon=True,
-                                name=f"pipeline-stage-{s}") for s, order in enumerate(orders)]
+    threads = [threading.Thread(target=run.device_loop, args=(d, order), daemon=True,
+                                name=f"pipeline-device-{d}") for d, order in enumerate(orders)]
     for t in threads:
         t.start()
     for t in threads:
@@ -232,3 +253,155 @@ def measured_idle_fractions(run: PipelineRun) -> list[float]:
     """Each device's idle share of the run's span (first task start to last task end), from
     the busy intervals it logged: the bubble as measured, not as scheduled."""
     return interval_idle_fractions(run.log)
+
+
+class Pipeline:
+    """A Keras ``Sequential`` trained as a pipeline: GPipe, 1F1B or interleaved 1F1B.
+
+    ``Pipeline(model, devices, loss=..., optimizer=..., num_microbatches=m)`` cuts the model's
+    layers into ``p * v`` consecutive stages (``p = len(devices)``, ``v = num_chunks``; stage
+    ``s`` on ``devices[s % p]``), by ``balance``: ``"count"`` (equal layer counts), ``"bytes"``
+    (parameter bytes), or a list of layer counts per stage (kakaobrain/torchgpipe's word).
+    Each stage trains a working copy of its layers made on its device
+    (``accel.parallel.keras_model``); one Keras optimizer, copied from ``optimizer``'s config,
+    updates all stages once per batch, its slots next to their variables.
+
+    * ``train_step(x, y) -> PipelineRun``: one batch, split into ``m`` micro-batches, run in the
+      order of ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``: see
+      ``accel.parallel.pipeline``), then one update. The user's model is not touched.
+    * ``fit(x, y, batch_size, epochs)``: ``train_step`` over the data in order (no shuffling),
+      a Keras progress bar, a ``keras.callbacks.History`` of each epoch's mean loss; at the
+      end the trained weights are written into the user's model (``write_back``).
+    * ``write_back()``: the stages' weights into the user's model now.
+
+    Not under ``model.fit``: the stages run in one Python thread per device, each task an
+    eager call of its stage's layers, so that devices overlap as the schedule says; Keras's
+    ``fit`` compiles one function per step. ``recompute=True`` keeps only each stage's input
+    and runs its forward again in the backward (refused for layers with non-trainable state,
+    e.g. BatchNormalization, whose moving statistics would be updated twice).
+
+    BatchNormalization under micro-batches normalises each micro-batch by its own statistics
+    and updates the moving statistics once per micro-batch: the result equals one device
+    training on batches of the micro-batch size, not on the whole batch.
+    """
+
+    def __init__(self, model, devices: Sequence[str], *, loss, optimizer,
+                 num_microbatches: int, schedule: str = "1f1b", num_chunks: int = 1,
+                 balance="count", recompute: bool = False):
+        from accel.parallel import keras_model as km
+        from accel.parallel import partition
+        from accel.parallel.pipeline import make_schedule
+
+        self.model = model
+        self.layers = km.sequential_layers(model)
+        self.devices = [parse_device(d).to_string() for d in devices]
+        if not self.devices:
+            raise ValueError("devices is empty: give one device name per pipeline device")
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"devices {list(devices)} repeat a device: give each once "
+                             "(num_chunks puts several stages on one device)")
+        self.num_microbatches = checks.positive_int("num_microbatches", num_microbatches)
+        self.num_chunks = checks.positive_int("num_chunks", num_chunks)
+        p = len(self.devices)
+        num_stages = p * self.num_chunks
+        self.schedule = make_schedule(schedule, self.num_microbatches, p, self.num_chunks)
+        self.schedule_name = schedule
+        n = len(self.layers)
+        if n < num_stages:
+            raise ValueError(f"the model has {n} layers, fewer than the {num_stages} stages "
+                             f"({p} devices x {self.num_chunks} chunks)")
+        if isinstance(balance, str):
+            checks.one_of("balance", balance, ("count", "bytes"))
+            if balance == "count":
+                sizes = partition.balance_by_count(n, num_stages)
+            else:
+                costs = [sum(int(w.numpy().nbytes) for w in layer.weights) or 1
+                         for layer in self.layers]
+                sizes = partition.balance_by_cost(costs, num_stages)
+        else:
+            sizes = partition.check_balance(balance, n)
+            if len(sizes) != num_stages:
+                raise ValueError(f"balance {sizes} has {len(sizes)} stages; this pipeline has "
+                                 f"{num_stages} ({p} devices x {self.num_chunks} chunks)")
+        self.balance = sizes
+        if recompute and any(layer.non_trainable_weights for layer in self.layers):
+            raise ValueError("recompute=True with layers that hold non-trainable state (e.g. "
+                             "BatchNormalization): the forward run again would update it twice")
+        self.recompute = recompute
+        self.loss_fn = km.loss_function(loss)
+        self.optimizer = km.fresh_optimizer(optimizer)
+
+        shape = km.input_shape_of(model)
+        self.parts, self.copies, self.stages = [], [], []
+        for s, r in enumerate(partition.part_ranges(sizes)):
+            part = [self.layers[i] for i in r]
+            device = self.devices[s % p]
+            copies = km.copy_layers(part, device, shape)
+            shape = km.output_shape_of(copies, shape)
+            self.parts.append(part)
+            self.copies.append(copies)
+            self.stages.append(Stage(_keras_stage_fn(copies),
+                                     [w for c in copies for w in c.trainable_weights], device))
+        self._step = make_pipeline_step(self.stages, self.loss_fn, self.optimizer, self.schedule,
+                                        self.num_microbatches, recompute)
+
+    def train_step(self, x, y) -> PipelineRun:
+        """One batch through the pipeline and one update (the user's model is not touched)."""
+        return self._step(tf.convert_to_tensor(x), tf.convert_to_tensor(y))
+
+    def write_back(self) -> None:
+        """The stages' weights (trainable and not) into the user's model."""
+        from accel.parallel.keras_model import write_back
+
+        for part, copies in zip(self.parts, self.copies, strict=True):
+            write_back(part, copies)
+
+    def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
+            verbose: int = 1):
+        """Train on ``x, y`` (arrays, in order, ``batch_size`` a multiple of
+        ``num_microbatches`` that divides the data) or on a ``tf.data.Dataset`` of ``(x, y)``
+        batches; a progress bar per epoch (``verbose=0``: none). Returns a
+        ``keras.callbacks.History`` (``history.history["loss"]``: each epoch's mean loss) and
+        writes the trained weights into the user's model."""
+        import keras
+
+        checks.positive_int("epochs", epochs)
+        if isinstance(x, tf.data.Dataset):
+            if y is not None:
+                raise ValueError("with a tf.data.Dataset, give y inside it, not as y=")
+            batches = x
+            steps = int(x.cardinality()) if int(x.cardinality()) > 0 else None
+        else:
+            checks.positive_int("batch_size", batch_size)
+            n = len(x)
+            if y is None or len(y) != n:
+                raise ValueError(f"y must hold one label per example of x ({n})")
+            if n % batch_size or batch_size % self.num_microbatches:
+                raise ValueError(f"{n} examples in batches of {batch_size} into "
+                                 f"{self.num_microbatches} micro-batches: batch_size must "
+                                 "divide the examples and be a multiple of num_microbatches")
+            steps = n // batch_size
+            batches = [(x[k * batch_size:(k + 1) * batch_size],
+                        y[k * batch_size:(k + 1) * batch_size]) for k in range(steps)]
+        history = keras.callbacks.History()
+        history.history, history.epoch = {"loss": []}, []
+        for epoch in range(epochs):
+            if verbose:
+                print(f"Epoch {epoch + 1}/{epochs}")
+            bar = keras.utils.Progbar(steps, verbose=verbose, stateful_metrics=())
+            losses = []
+            for k, (xb, yb) in enumerate(batches):
+                losses.append(self.train_step(xb, yb).loss)
+                bar.update(k + 1, [("loss", losses[-1])])
+            history.history["loss"].append(float(sum(losses) / len(losses)))
+            history.epoch.append(epoch)
+        self.write_back()
+        return history
+
+
+def _keras_stage_fn(copies: list) -> Callable:
+    def fn(params, x):  # params are the copies' own variables, which the tape watches
+        for layer in copies:
+            x = layer(x, training=True)
+        return x
+    return fn

@@ -120,8 +120,11 @@ def test_bad_sizes_and_deadlocks():
         pl.one_f_one_b_schedule(4, -1)
     with pytest.raises(ValueError, match="the stage orders deadlock at tick 0"):
         pl.clock_schedule([[(0, 0, "B"), (0, 0, "F")]])
-    with pytest.raises(ValueError, match=r"stage 0's order holds \(1, 0, 'F'\)"):
+    with pytest.raises(ValueError, match=r"device 0's order holds \(1, 0, 'F'\)"):
         pl.clock_schedule([[(1, 0, "F")]])
+    with pytest.raises(ValueError, match=r"device 1's order holds \(2, 0, 'F'\).*"
+                                         r"placed on device 1 \(stage % 2 == 1\)"):
+        pl.clock_schedule([[(0, 0, "F")], [(2, 0, "F")]], num_stages=4)
 
 
 def test_the_module_imports_no_tensorflow():
@@ -145,3 +148,60 @@ def test_simulate_with_unit_times_is_the_clock_and_with_real_times_the_formula()
     assert idle[1] < pl.bubble_fraction(2, 8) < idle[0]
     with pytest.raises(ValueError, match=r"durations\(\(0, 0, 'F'\)\) must be a number >= 0"):
         pl.simulate(pl.gpipe_orders(1, 1), lambda task: -1.0)
+
+
+# ---------------------------------------------------------------------- interleaved 1F1B
+def test_interleaved_orders_by_hand():
+    """p = 2 devices, v = 2 chunks, m = 4: virtual stages 0 and 2 on device 0, 1 and 3 on
+    device 1; forwards in groups of p micro-batches per chunk; Megatron's warm-up
+    2 (p - d - 1) + (v - 1) p = 4 forwards on device 0, 2 on device 1."""
+    orders = pl.interleaved_orders(4, 2, 2)
+    assert orders[0] == [(0, 0, "F"), (0, 1, "F"), (2, 0, "F"), (2, 1, "F"),
+                         (0, 2, "F"), (2, 0, "B"), (0, 3, "F"), (2, 1, "B"),
+                         (2, 2, "F"), (0, 0, "B"), (2, 3, "F"), (0, 1, "B"),
+                         (2, 2, "B"), (2, 3, "B"), (0, 2, "B"), (0, 3, "B")]
+    assert orders[1] == [(1, 0, "F"), (1, 1, "F"), (3, 0, "F"), (3, 0, "B"),
+                         (3, 1, "F"), (3, 1, "B"), (1, 2, "F"), (1, 0, "B"),
+                         (1, 3, "F"), (1, 1, "B"), (3, 2, "F"), (3, 2, "B"),
+                         (3, 3, "F"), (3, 3, "B"), (1, 2, "B"), (1, 3, "B")]
+
+
+@pytest.mark.parametrize("m,p,v", [(2, 2, 2), (4, 2, 2), (8, 4, 2), (6, 3, 3), (8, 2, 3),
+                                   (16, 4, 4)])
+def test_interleaved_bubble_is_narayanan_formula(m, p, v):
+    """Unit ticks: the idle share is (p-1)/(v m + p-1) (Narayanan et al. 2021, eq. for the
+    interleaved schedule), below 1F1B's (p-1)/(m+p-1) at the same m."""
+    schedule = pl.interleaved_schedule(m, p, v)
+    pl.validate_schedule(schedule, p * v, m, num_devices=p)
+    assert len(schedule) == 2 * v * m + 2 * (p - 1)
+    assert pl.idle_fraction(schedule, p) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert pl.bubble_fraction(p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert pl.idle_fraction(schedule, p) < pl.idle_fraction(pl.one_f_one_b_schedule(m, p), p)
+    # played out with backward twice the forward, the clock's order still never deadlocks
+    logs = pl.simulate(pl.interleaved_orders(m, p, v),
+                       lambda task: 2.0 if task[2] == "B" else 1.0, num_stages=p * v)
+    assert [len(log) for log in logs] == [2 * m * v] * p
+
+
+def test_interleaved_text_and_errors():
+    text = pl.format_schedule(pl.interleaved_schedule(2, 2, 2), 4, num_devices=2)
+    assert text.splitlines()[1].split()[:5] == ["device", "0", "F0c0", "F1c0", "F0c1"]
+    with pytest.raises(ValueError, match="multiple of num_stages: got num_microbatches=3, "
+                                         "num_stages=2"):
+        pl.interleaved_schedule(3, 2, 2)
+    with pytest.raises(ValueError, match="num_chunks must be an int >= 1, got 0"):
+        pl.interleaved_orders(4, 2, 0)
+    with pytest.raises(ValueError, match="a device runs two tasks at once"):
+        pl.validate_schedule([[(0, 0, "F"), (2, 0, "F")]], 4, 1, num_devices=2)
+    with pytest.raises(ValueError, match="5 stages do not spread evenly over 2 devices"):
+        pl.validate_schedule([], 5, 1, num_devices=2)
+
+
+def test_make_schedule_by_name():
+    assert pl.make_schedule("gpipe", 4, 2) == pl.gpipe_schedule(4, 2)
+    assert pl.make_schedule("1f1b", 4, 2) == pl.one_f_one_b_schedule(4, 2)
+    assert pl.make_schedule("interleaved", 4, 2, 2) == pl.interleaved_schedule(4, 2, 2)
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag': choose one of"):
+        pl.make_schedule("zigzag", 4, 2)
+    with pytest.raises(ValueError, match="num_chunks=2 needs the 'interleaved' schedule"):
+        pl.make_schedule("1f1b", 4, 2, 2)

@@ -1,0 +1,139 @@
+"""The one way to hand ``accel`` a model: a Keras model, a Keras loss and a Keras optimizer.
+
+Every parallel form that cuts a model into parts (model parallelism, pipelines) works the same
+way, written once here:
+
+* ``sequential_layers(model)``: the layers of a built ``keras.Sequential`` in order, checked
+  (a form that needs layers in order takes a ``Sequential``; a transformer is a ``Sequential``
+  of block layers, each block a layer with its residuals inside);
+* ``copy_layers(layers, device, input_shape)``: *working copies* of layers, rebuilt on a device
+  with ``from_config`` and ``set_weights`` (Keras 3 creates a layer's variables on the device in
+  effect when it is built, and a Keras optimizer creates each slot next to its variable, so the
+  copies and their optimizer state live where the form wants them);
+* ``write_back(layers, copies)``: the copies' weights (trainable and not, e.g. BatchNorm's
+  moving statistics) back into the user's layers, so that ``model.predict``, ``model.save``
+  and ``model.evaluate`` see the trained model;
+* ``fresh_optimizer(optimizer)`` and ``loss_function(loss)``: a Keras optimizer (an object or a
+  name such as ``"adam"``) copied from its config, so that the user's optimizer is never bound
+  to the copies' variables, and a Keras loss (an object, a name, or a function of
+  ``(y_true, y_pred)``) whose mean over a batch is the training loss.
+
+No private Keras attribute is used: only ``get_config``, ``from_config``, ``get_weights``,
+``set_weights``, ``trainable_weights``, ``non_trainable_weights`` and calling the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import keras
+import tensorflow as tf
+
+from accel.devices import parse_device
+from accel.placement import short_device
+
+__all__ = ["sequential_layers", "input_shape_of", "copy_layers", "output_shape_of", "write_back",
+           "fresh_optimizer", "loss_function", "variable_devices"]
+
+
+def sequential_layers(model) -> list:
+    """The layers of ``model`` in order: a built ``keras.Sequential`` (``ValueError``
+    otherwise, saying how to make one)."""
+    if not isinstance(model, keras.Sequential):
+        raise ValueError(f"model must be a keras.Sequential (layers in order; a transformer as a "
+                         f"Sequential of block layers), got {type(model).__name__}")
+    if not model.built or not model.layers:
+        raise ValueError("the Sequential has no built layers: start it with keras.Input(shape) "
+                         "or call it once on a batch before handing it over")
+    return list(model.layers)
+
+
+def input_shape_of(model) -> tuple:
+    """One example's input shape (no batch axis) of a built model."""
+    shape = tuple(model.inputs[0].shape[1:]) if getattr(model, "inputs", None) else None
+    if shape is None or any(d is None for d in shape):
+        raise ValueError(f"the model's input shape per example must be known, got {shape}: "
+                         "start the Sequential with keras.Input(shape)")
+    return shape
+
+
+def copy_layers(layers: Sequence, device: str, input_shape: Sequence[int]) -> list:
+    """Copies of ``layers`` (consecutive, the first taking inputs of ``input_shape`` per example)
+    with their variables created on ``device`` and holding the same weights."""
+    device = parse_device(device).to_string()
+    copies = []
+    with tf.device(device):
+        x = tf.zeros((1, *input_shape), dtype=_input_dtype(layers[0]))
+        for layer in layers:
+            try:
+                copy = layer.__class__.from_config(layer.get_config())
+            except Exception as exc:  # a custom layer without get_config / from_config
+                raise ValueError(
+                    f"layer {layer.name} ({type(layer).__name__}) cannot be rebuilt from its "
+                    f"config ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); give "
+                    "custom layers get_config() returning their constructor's arguments") from exc
+            x = copy(x, training=False)  # builds it here, on the device
+            copy.set_weights(layer.get_weights())
+            copies.append(copy)
+    return copies
+
+
+def output_shape_of(layers: Sequence, input_shape: Sequence[int]) -> tuple:
+    """One example's output shape after ``layers`` (run in inference mode on zeros)."""
+    x = tf.zeros((1, *input_shape), dtype=_input_dtype(layers[0]))
+    for layer in layers:
+        x = layer(x, training=False)
+    return tuple(x.shape[1:])
+
+
+def _input_dtype(layer) -> str:
+    policy = getattr(layer, "dtype_policy", None)
+    return getattr(policy, "compute_dtype", None) or keras.config.floatx()
+
+
+def write_back(layers: Sequence, copies: Sequence) -> None:
+    """Each copy's weights into the layer it was copied from (same order)."""
+    for layer, copy in zip(layers, copies, strict=True):
+        layer.set_weights(copy.get_weights())
+
+
+def fresh_optimizer(optimizer):
+    """A new Keras optimizer with ``optimizer``'s configuration (an optimizer object or a name
+    such as ``"adam"``): the form's own, built on the form's variables."""
+    if isinstance(optimizer, str):
+        try:
+            return keras.optimizers.get(optimizer)
+        except ValueError as exc:
+            raise ValueError(f"unknown optimizer {optimizer!r}: give a keras.optimizers "
+                             f"object or a name such as 'adam' or 'sgd'") from exc
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(f"optimizer must be a keras.optimizers.Optimizer or its name, got "
+                         f"{type(optimizer).__name__}")
+    return optimizer.__class__.from_config(optimizer.get_config())
+
+
+def loss_function(loss) -> Callable:
+    """``fn(y_true, y_pred)`` whose mean over the examples is the loss to train: a Keras loss
+    object with the default reduction (mean over the batch), a name (``"mse"``), or a function
+    returning per-example losses."""
+    if isinstance(loss, str):
+        try:
+            return keras.losses.get(loss)
+        except ValueError as exc:
+            raise ValueError(f"unknown loss {loss!r}: give a keras.losses object or a name such "
+                             "as 'mse'") from exc
+    if isinstance(loss, keras.losses.Loss):
+        if loss.reduction not in ("sum_over_batch_size", "mean"):
+            raise ValueError(f"loss reduction {loss.reduction!r}: the forms need the mean over "
+                             "the batch ('sum_over_batch_size', Keras's default)")
+        return loss
+    if callable(loss):
+        return loss
+    raise ValueError(f"loss must be a keras.losses.Loss, its name or a function, got "
+                     f"{type(loss).__name__}")
+
+
+def variable_devices(layers: Sequence) -> set[str]:
+    """The devices that hold ``layers``' variables, as the variables report them (local
+    devices without the ``/job:localhost/replica:0/task:0`` prefix)."""
+    return {short_device(w.value.device) for layer in layers for w in layer.weights}
