@@ -5,7 +5,10 @@ import os
 
 # Same mode as `make execute`: ipykernel does not forward C-level output under pytest.
 os.environ.setdefault("PYTEST_CURRENT_TEST", "1")
+# The course's TensorFlow settings (accel.course sets them in the chapters; library tests do not
+# import it): quiet C++ logs, and TensorFlow's own CPU kernels on every CPU (no oneDNN rewrites).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 # Each xdist worker (gw0, gw1, ...) and everything it starts (cluster processes, notebook
 # kernels) picks TCP ports from its own range, so two workers never choose the same free port

@@ -86,14 +86,18 @@ course       accel.course.registry             benchmarks (python -m accel bench
              accel.course.* (01-16)           each chapter's experiments, figures and toy set-ups;
                                                the only code that calls accel.devices.setup()
 
-Importing ``accel`` sets two environment variables (unless you set them) *before* TensorFlow is
-imported, because TensorFlow reads them only once, at import time:
+Importing ``accel`` or any library module changes nothing global: no environment variable,
+no device configuration, no output. The course's settings belong to ``accel.course``, whose
+import sets two environment variables (unless you set them) and must therefore come *before*
+TensorFlow is imported, since TensorFlow reads them only once, at its own import (every
+chapter's setup cell starts with ``import accel.course``; so do the command line and the
+benchmarks, and worker processes inherit them):
 
 * ``TF_CPP_MIN_LOG_LEVEL=2``: no C++ INFO/WARNING lines;
 * ``TF_ENABLE_ONEDNN_OPTS=0``: TensorFlow's own CPU kernels everywhere. TensorFlow turns oneDNN on
   by default only on some CPUs (those with AVX-512 VNNI / BF16 or AMX); it then rewrites graphs
-  (``MatMul`` runs as ``_MklMatMul``, ops are fused) and takes other scratch buffers, so placement
-  tables and memory figures would depend on the reader's CPU. Set it to 1 yourself for speed.
+  (``MatMul`` runs as ``_MklMatMul``) and takes other scratch buffers, so placement tables and
+  memory figures would depend on the reader's CPU.
 
 Command line: ``python -m accel devices`` prints the device report; ``python -m accel bench NAME``
 runs a benchmark (``python -m accel bench --list`` shows the names); ``python -m accel images``
@@ -101,10 +105,5 @@ redraws the figures.
 """
 
 from __future__ import annotations
-
-import os as _os
-
-_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-_os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 __version__ = "0.1.0"

@@ -17,6 +17,8 @@ import argparse
 import sys
 import time
 
+import accel.course  # noqa: F401  (first, before TensorFlow: the course's settings)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m accel", description=__doc__,

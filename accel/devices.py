@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
+import tensorflow as tf
 
 from accel import checks, procs
 

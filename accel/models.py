@@ -4,7 +4,7 @@ the same network as a Keras model (for strategies and ``fit``)."""
 from __future__ import annotations
 
 import numpy as np
-import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
+import tensorflow as tf
 
 __all__ = ["mlp_init", "mlp_apply", "keras_mlp", "max_difference"]
 

@@ -1,6 +1,7 @@
 """Shared plumbing: accel.checks, procs, timing, data, models, training, viz; the course registry
 and the CLI."""
 
+import json
 import subprocess
 import sys
 
@@ -164,12 +165,39 @@ def test_max_difference():
         models.max_difference(a, [np.zeros(4), a[1]])
 
 
-def test_import_accel_turns_onednn_off_unless_set():
+def test_import_accel_course_turns_onednn_off_unless_set():
     run_python = procs.run_python
-    show = "import accel; import os; print(os.environ['TF_ENABLE_ONEDNN_OPTS'])"
+    show = "import accel.course; import os; print(os.environ['TF_ENABLE_ONEDNN_OPTS'])"
     unset = "import os; os.environ.pop('TF_ENABLE_ONEDNN_OPTS', None); "
     assert run_python(unset + show).split()[-1] == "0"
     assert run_python(show, env={"TF_ENABLE_ONEDNN_OPTS": "1"}).split()[-1] == "1"
+
+
+def test_the_library_changes_nothing_global():
+    """Importing every library module (all but accel.course) leaves the environment and the
+    device configuration as they were, and prints nothing."""
+    code = (
+        "import os, sys, io, contextlib, importlib, json, pathlib\n"
+        "for k in ('TF_CPP_MIN_LOG_LEVEL', 'TF_ENABLE_ONEDNN_OPTS'): os.environ.pop(k, None)\n"
+        "before = dict(os.environ)\n"
+        "import accel\n"
+        "root = pathlib.Path(accel.__file__).parent\n"  # walk_packages would import packages
+        "names = sorted('.'.join(('accel',) + p.relative_to(root).with_suffix('').parts)\n"
+        "               .removesuffix('.__init__') for p in root.rglob('*.py')\n"
+        "               if p.relative_to(root).parts[0] not in ('course', '__main__.py'))\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        "    for name in names: importlib.import_module(name)\n"
+        "import tensorflow as tf\n"
+        "changed = sorted(k for k in set(before) | set(os.environ)\n"
+        "                 if before.get(k) != os.environ.get(k))\n"
+        "print(json.dumps({'n': len(names), 'changed': changed, 'printed': out.getvalue(),\n"
+        "    'logical': len(tf.config.list_logical_devices('CPU')),\n"
+        "    'course': 'accel.course' in sys.modules}))\n")
+    got = json.loads(procs.run_python(code, quiet_tensorflow=False).strip().splitlines()[-1])
+    assert got["n"] > 40 and not got["course"]
+    assert got["changed"] == [] and got["printed"] == ""
+    assert got["logical"] == 1  # no setup(): the CPU is not split
 
 
 def test_checks_name_the_value():

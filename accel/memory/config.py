@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
+import tensorflow as tf
 
 __all__ = ["tf1_config", "tf1_config_fields", "GpuMemoryPlan", "gpu_memory_plan",
            "apply_gpu_memory_plan"]

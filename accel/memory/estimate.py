@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
+import tensorflow as tf
 
 from accel import checks
 

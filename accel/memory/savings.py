@@ -19,7 +19,7 @@ import json
 import time
 
 import numpy as np
-import tensorflow as tf  # accel/__init__ has set TF_CPP_MIN_LOG_LEVEL already
+import tensorflow as tf
 
 from accel import checks, procs
 from accel.memory.estimate import MIB
