@@ -10,6 +10,11 @@ way, written once here:
   with ``from_config`` and ``set_weights`` (Keras 3 creates a layer's variables on the device in
   effect when it is built, and a Keras optimizer creates each slot next to its variable, so the
   copies and their optimizer state live where the form wants them);
+* ``balance_layers`` and ``copy_parts``: the layers cut into consecutive parts (by count,
+  parameter bytes or an explicit list, ``accel.parallel.partition``) and each part copied onto
+  its device;
+* ``fit_loop``: Keras-style ``fit`` (in order, a progress bar, a ``History``) around a form's
+  training step, for forms that cannot run under ``model.fit``;
 * ``write_back(layers, copies)``: the copies' weights (trainable and not, e.g. BatchNorm's
   moving statistics) back into the user's layers, so that ``model.predict``, ``model.save``
   and ``model.evaluate`` see the trained model;
@@ -29,11 +34,13 @@ from collections.abc import Callable, Sequence
 import keras
 import tensorflow as tf
 
+from accel import checks
 from accel.devices import parse_device
 from accel.placement import short_device
 
-__all__ = ["sequential_layers", "input_shape_of", "copy_layers", "output_shape_of", "write_back",
-           "fresh_optimizer", "loss_function", "variable_devices"]
+__all__ = ["sequential_layers", "input_shape_of", "balance_layers", "copy_layers",
+           "copy_parts", "output_shape_of", "write_back", "fresh_optimizer", "loss_function",
+           "variable_devices", "fit_loop"]
 
 
 def sequential_layers(model) -> list:
@@ -55,6 +62,44 @@ def input_shape_of(model) -> tuple:
         raise ValueError(f"the model's input shape per example must be known, got {shape}: "
                          "start the Sequential with keras.Input(shape)")
     return shape
+
+
+def balance_layers(layers: Sequence, num_parts: int, balance="count") -> list[int]:
+    """Layers per part: ``"count"`` (as equal as possible), ``"bytes"`` (parameter bytes; a
+    layer without weights counts 1 byte), or an explicit list checked against the layers."""
+    from accel.parallel import partition
+
+    n = len(layers)
+    if n < num_parts:
+        raise ValueError(f"the model has {n} layers, fewer than the {num_parts} parts to cut it "
+                         "into")
+    if isinstance(balance, str):
+        checks.one_of("balance", balance, ("count", "bytes"))
+        if balance == "count":
+            return partition.balance_by_count(n, num_parts)
+        costs = [sum(int(w.numpy().nbytes) for w in layer.weights) or 1 for layer in layers]
+        return partition.balance_by_cost(costs, num_parts)
+    sizes = partition.check_balance(balance, n)
+    if len(sizes) != num_parts:
+        raise ValueError(f"balance {sizes} has {len(sizes)} parts; this form cuts the model into "
+                         f"{num_parts}")
+    return sizes
+
+
+def copy_parts(layers: Sequence, sizes: Sequence[int], devices: Sequence[str],
+               input_shape: Sequence[int]) -> tuple[list[list], list[list]]:
+    """``(parts, copies)``: the layers cut by ``sizes``, and each part copied onto its device
+    (``devices[i]`` for part ``i``)."""
+    from accel.parallel import partition
+
+    parts, copies, shape = [], [], tuple(input_shape)
+    for r, device in zip(partition.part_ranges(sizes), devices, strict=True):
+        part = [layers[i] for i in r]
+        made = copy_layers(part, device, shape)
+        shape = output_shape_of(made, shape)
+        parts.append(part)
+        copies.append(made)
+    return parts, copies
 
 
 def copy_layers(layers: Sequence, device: str, input_shape: Sequence[int]) -> list:
@@ -131,6 +176,44 @@ def loss_function(loss) -> Callable:
         return loss
     raise ValueError(f"loss must be a keras.losses.Loss, its name or a function, got "
                      f"{type(loss).__name__}")
+
+
+def fit_loop(step: Callable, x, y, batch_size: int | None, epochs: int, verbose: int,
+             divisor: int = 1):
+    """Keras-style ``fit`` around ``step(x, y) -> loss``: ``x, y`` arrays in order (in batches of
+    ``batch_size``, a multiple of ``divisor`` that divides the data) or a ``tf.data.Dataset``
+    of ``(x, y)`` batches; a progress bar per epoch (``verbose=0``: none); returns a
+    ``keras.callbacks.History`` whose ``history["loss"]`` holds each epoch's mean loss."""
+    checks.positive_int("epochs", epochs)
+    if isinstance(x, tf.data.Dataset):
+        if y is not None:
+            raise ValueError("with a tf.data.Dataset, give y inside it, not as y=")
+        batches = x
+        steps = int(x.cardinality()) if int(x.cardinality()) > 0 else None
+    else:
+        checks.positive_int("batch_size", batch_size)
+        n = len(x)
+        if y is None or len(y) != n:
+            raise ValueError(f"y must hold one label per example of x ({n})")
+        if n % batch_size or batch_size % divisor:
+            raise ValueError(f"{n} examples in batches of {batch_size}: batch_size must divide "
+                             f"the examples and be a multiple of {divisor}")
+        steps = n // batch_size
+        batches = [(x[k * batch_size:(k + 1) * batch_size], y[k * batch_size:(k + 1) * batch_size])
+                   for k in range(steps)]
+    history = keras.callbacks.History()
+    history.history, history.epoch = {"loss": []}, []
+    for epoch in range(epochs):
+        if verbose:
+            print(f"Epoch {epoch + 1}/{epochs}")
+        bar = keras.utils.Progbar(steps, verbose=verbose)
+        losses = []
+        for k, (xb, yb) in enumerate(batches):
+            losses.append(float(step(xb, yb)))
+            bar.update(k + 1, [("loss", losses[-1])])
+        history.history["loss"].append(float(sum(losses) / len(losses)))
+        history.epoch.append(epoch)
+    return history
 
 
 def variable_devices(layers: Sequence) -> set[str]:

@@ -22,6 +22,9 @@ The pieces, all plain data so that pipelines (chapter 10) can reuse them:
   land on one device and pull every activation there); ``tf.gradients`` inside a
   ``tf.function`` does colocate them. An optimizer object builds its slots where it
   is first built; a learning rate (plain SGD) needs no slots;
+* ``ModelParallel(model, devices | replicas, loss, optimizer)``: the same for a Keras
+  ``Sequential`` (working copies of each part on its device, weights written back), and the
+  hybrid with every part replicated and its gradients all-reduced among its copies;
 * ``build_graph(partition, loss_fn, learning_rate, x_shape, y_shape)``: the same step in TF1 form
   (a ``tf.Graph`` with ``tf.device`` per part, ``GradientDescentOptimizer`` with gradients
   colocated), to run in a session with ``accel.placement.session_config()``.
@@ -44,8 +47,8 @@ from accel.parallel.layers import LayerSpec, describe_layers, run_layers
 from accel.parallel.partition import balance_by_cost, balance_by_count, check_balance, part_ranges
 from accel.training import make_update
 
-__all__ = ["Part", "Partition", "BALANCES", "split", "SplitModel", "make_split_step", "SplitGraph",
-           "build_graph"]
+__all__ = ["Part", "Partition", "BALANCES", "split", "SplitModel", "make_split_step",
+           "ModelParallel", "SplitGraph", "build_graph"]
 
 BALANCES = ("count", "bytes", "time")
 
@@ -272,3 +275,157 @@ def build_graph(partition: Partition, loss_fn: Callable, learning_rate: float,
         train_op = opt.minimize(loss, colocate_gradients_with_ops=True)
         init_op = tf.compat.v1.global_variables_initializer()
     return SplitGraph(graph, x, y, h, loss, train_op, init_op, per_part)
+
+
+class ModelParallel:
+    """A Keras ``Sequential`` split over devices (model parallelism), optionally replicated
+    (hybrid: data x model parallelism).
+
+    ``ModelParallel(model, devices, loss=..., optimizer=...)`` cuts the layers into
+    ``len(devices)`` consecutive parts (``balance``: ``"count"``, ``"bytes"`` or a list of
+    layer counts) and trains a working copy of part ``i`` on ``devices[i]``
+    (``accel.parallel.keras_model``): only activations cross devices going forward, their
+    gradients going back.
+
+    ``replicas=[[devices of replica 0], [devices of replica 1], ...]`` instead of ``devices``:
+    every replica holds its own copy of every part on its own devices, trains on its share of
+    the batch, and each part's gradients are all-reduced (mean) among the replicas' copies of
+    that part (``accel.collectives.all_reduce``, every copy receiving bitwise the same values);
+    each replica then applies the same update with its own optimizer, so the replicas' weights
+    stay equal without any copy being read from another. Layers with non-trainable state (e.g.
+    BatchNormalization) keep it per replica: each normalises its own share and updates its own
+    moving statistics; ``write_back`` takes replica 0's.
+
+    * ``train_step(x, y) -> loss``: one step as a ``tf.function`` (the user's model untouched);
+    * ``gradients(x, y) -> (loss, gradients)``: replica 0's (all-reduced) gradients, in the
+      order of its variables, without applying them;
+    * ``fit(x, y, batch_size, epochs)``: Keras-style, then ``write_back()``.
+    """
+
+    def __init__(self, model, devices: Sequence[str] | None = None, *, loss, optimizer,
+                 balance="count", replicas: Sequence[Sequence[str]] | None = None):
+        from accel.parallel import keras_model as km
+
+        if (devices is None) == (replicas is None):
+            raise ValueError("give devices (one per part) or replicas (one device list per "
+                             "replica), not both")
+        reps = [list(devices)] if replicas is None else [list(r) for r in replicas]
+        if not reps or not reps[0]:
+            raise ValueError("devices is empty: give one device name per part")
+        num_parts = len(reps[0])
+        self.replicas = _check_replicas(reps, num_parts)
+        for devs in self.replicas:
+            if len(set(devs)) != len(devs):
+                raise ValueError(f"a replica's devices {devs} repeat a device")
+        if len({d for devs in self.replicas for d in devs}) != num_parts * len(self.replicas):
+            raise ValueError(f"replicas {self.replicas} share a device: give every replica its "
+                             "own devices")
+        self.model = model
+        self.layers = km.sequential_layers(model)
+        self.balance = km.balance_layers(self.layers, num_parts, balance)
+        self.loss_fn = km.loss_function(loss)
+        shape = km.input_shape_of(model)
+        self.parts, self.copies, self.optimizers = None, [], []
+        for devs in self.replicas:
+            parts, copies = km.copy_parts(self.layers, self.balance, devs, shape)
+            self.parts = parts
+            self.copies.append(copies)
+            self.optimizers.append(km.fresh_optimizer(optimizer))
+        for r, opt in enumerate(self.optimizers):
+            # built eagerly: each slot then sits beside its variable (built inside the step's
+            # tf.function, Keras would put them all on one device)
+            opt.build(self.variables(r))
+        self._compute = self._make_compute()
+        self._step = tf.function(self._apply)
+        self._grads = tf.function(self._compute)
+
+    def variables(self, replica: int = 0, part: int | None = None) -> list:
+        """A replica's trainable variables (of one part, or of all in order)."""
+        parts = self.copies[replica] if part is None else [self.copies[replica][part]]
+        return [w for copies in parts for c in copies for w in c.trainable_weights]
+
+    def _make_compute(self):
+        from accel.collectives import all_reduce
+
+        num_parts, reps = len(self.balance), self.replicas
+        loss_fn = self.loss_fn
+
+        def one_replica(r, x, y):
+            saved, h, loss = [], x, None
+            for p in range(num_parts):
+                with tf.device(reps[r][p]), tf.GradientTape() as tape:
+                    tape.watch(h)
+                    out = h
+                    for layer in self.copies[r][p]:
+                        out = layer(out, training=True)
+                    if p == num_parts - 1:
+                        loss = tf.reduce_mean(loss_fn(y, out))
+                saved.append((tape, h, out))
+                h = out
+            grads, upstream = [None] * num_parts, None
+            for p in reversed(range(num_parts)):  # each part's backward on its own device
+                tape, inp, out = saved[p]
+                with tf.device(reps[r][p]):
+                    target, seed = (loss, None) if upstream is None else (out, upstream)
+                    g = tape.gradient(target, [inp, *self.variables(r, p)],
+                                      output_gradients=seed)
+                upstream, grads[p] = g[0], g[1:]
+            return loss, grads
+
+        def compute(x, y):
+            shards = split_batch((x, y), len(reps)) if len(reps) > 1 else [(x, y)]
+            results = [one_replica(r, xs, ys) for r, (xs, ys) in enumerate(shards)]
+            losses = [loss for loss, _ in results]
+            grads = [g for _, g in results]  # [replica][part][variable]
+            if len(reps) > 1:
+                for p in range(num_parts):
+                    part_devices = [reps[r][p] for r in range(len(reps))]
+                    for k in range(len(grads[0][p])):
+                        reduced = all_reduce([grads[r][p][k] for r in range(len(reps))],
+                                             part_devices, op="mean")
+                        for r in range(len(reps)):
+                            grads[r][p] = [*grads[r][p][:k], reduced[r], *grads[r][p][k + 1:]]
+            loss = tf.add_n(losses) / float(len(losses))
+            return loss, [[g for part in replica for g in part] for replica in grads]
+
+        return compute
+
+    def _apply(self, x, y):
+        loss, grads = self._compute(x, y)
+        for r, optimizer in enumerate(self.optimizers):
+            optimizer.apply_gradients(zip(grads[r], self.variables(r), strict=True))
+        return loss
+
+    def train_step(self, x, y) -> float:
+        """One step on the batch ``(x, y)`` (split over the replicas); returns the mean loss."""
+        return float(self._step(tf.convert_to_tensor(x), tf.convert_to_tensor(y)))
+
+    def gradients(self, x, y) -> tuple[float, list]:
+        """``(loss, replica 0's gradients)`` for the batch, nothing applied: state that the
+        training forward updates (BatchNorm's moving statistics) is put back afterwards."""
+        state = [w for copies in self.copies for part in copies for c in part
+                 for w in c.non_trainable_weights]
+        saved = [w.numpy() for w in state]
+        loss, grads = self._grads(tf.convert_to_tensor(x), tf.convert_to_tensor(y))
+        for w, value in zip(state, saved, strict=True):
+            w.assign(value)
+        return float(loss), list(grads[0])
+
+    def write_back(self) -> None:
+        """Replica 0's weights (trainable and not) into the user's model."""
+        from accel.parallel.keras_model import write_back
+
+        for part, copies in zip(self.parts, self.copies[0], strict=True):
+            write_back(part, copies)
+
+    def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
+            verbose: int = 1):
+        """Keras-style training in order (``accel.parallel.keras_model.fit_loop``; with
+        replicas, ``batch_size`` a multiple of their number), then ``write_back()``; returns a
+        ``keras.callbacks.History``."""
+        from accel.parallel.keras_model import fit_loop
+
+        history = fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
+                           divisor=len(self.replicas))
+        self.write_back()
+        return history

@@ -289,7 +289,6 @@ class Pipeline:
                  num_microbatches: int, schedule: str = "1f1b", num_chunks: int = 1,
                  balance="count", recompute: bool = False):
         from accel.parallel import keras_model as km
-        from accel.parallel import partition
         from accel.parallel.pipeline import make_schedule
 
         self.model = model
@@ -303,45 +302,21 @@ class Pipeline:
         self.num_microbatches = checks.positive_int("num_microbatches", num_microbatches)
         self.num_chunks = checks.positive_int("num_chunks", num_chunks)
         p = len(self.devices)
-        num_stages = p * self.num_chunks
         self.schedule = make_schedule(schedule, self.num_microbatches, p, self.num_chunks)
         self.schedule_name = schedule
-        n = len(self.layers)
-        if n < num_stages:
-            raise ValueError(f"the model has {n} layers, fewer than the {num_stages} stages "
-                             f"({p} devices x {self.num_chunks} chunks)")
-        if isinstance(balance, str):
-            checks.one_of("balance", balance, ("count", "bytes"))
-            if balance == "count":
-                sizes = partition.balance_by_count(n, num_stages)
-            else:
-                costs = [sum(int(w.numpy().nbytes) for w in layer.weights) or 1
-                         for layer in self.layers]
-                sizes = partition.balance_by_cost(costs, num_stages)
-        else:
-            sizes = partition.check_balance(balance, n)
-            if len(sizes) != num_stages:
-                raise ValueError(f"balance {sizes} has {len(sizes)} stages; this pipeline has "
-                                 f"{num_stages} ({p} devices x {self.num_chunks} chunks)")
-        self.balance = sizes
+        self.balance = km.balance_layers(self.layers, p * self.num_chunks, balance)
         if recompute and any(layer.non_trainable_weights for layer in self.layers):
             raise ValueError("recompute=True with layers that hold non-trainable state (e.g. "
                              "BatchNormalization): the forward run again would update it twice")
         self.recompute = recompute
         self.loss_fn = km.loss_function(loss)
         self.optimizer = km.fresh_optimizer(optimizer)
-
-        shape = km.input_shape_of(model)
-        self.parts, self.copies, self.stages = [], [], []
-        for s, r in enumerate(partition.part_ranges(sizes)):
-            part = [self.layers[i] for i in r]
-            device = self.devices[s % p]
-            copies = km.copy_layers(part, device, shape)
-            shape = km.output_shape_of(copies, shape)
-            self.parts.append(part)
-            self.copies.append(copies)
-            self.stages.append(Stage(_keras_stage_fn(copies),
-                                     [w for c in copies for w in c.trainable_weights], device))
+        stage_devices_ = [self.devices[s % p] for s in range(p * self.num_chunks)]
+        self.parts, self.copies = km.copy_parts(self.layers, self.balance, stage_devices_,
+                                                km.input_shape_of(model))
+        self.stages = [Stage(_keras_stage_fn(copies),
+                             [w for c in copies for w in c.trainable_weights], device)
+                       for copies, device in zip(self.copies, stage_devices_, strict=True)]
         self._step = make_pipeline_step(self.stages, self.loss_fn, self.optimizer, self.schedule,
                                         self.num_microbatches, recompute)
 
@@ -363,38 +338,10 @@ class Pipeline:
         batches; a progress bar per epoch (``verbose=0``: none). Returns a
         ``keras.callbacks.History`` (``history.history["loss"]``: each epoch's mean loss) and
         writes the trained weights into the user's model."""
-        import keras
+        from accel.parallel.keras_model import fit_loop
 
-        checks.positive_int("epochs", epochs)
-        if isinstance(x, tf.data.Dataset):
-            if y is not None:
-                raise ValueError("with a tf.data.Dataset, give y inside it, not as y=")
-            batches = x
-            steps = int(x.cardinality()) if int(x.cardinality()) > 0 else None
-        else:
-            checks.positive_int("batch_size", batch_size)
-            n = len(x)
-            if y is None or len(y) != n:
-                raise ValueError(f"y must hold one label per example of x ({n})")
-            if n % batch_size or batch_size % self.num_microbatches:
-                raise ValueError(f"{n} examples in batches of {batch_size} into "
-                                 f"{self.num_microbatches} micro-batches: batch_size must "
-                                 "divide the examples and be a multiple of num_microbatches")
-            steps = n // batch_size
-            batches = [(x[k * batch_size:(k + 1) * batch_size],
-                        y[k * batch_size:(k + 1) * batch_size]) for k in range(steps)]
-        history = keras.callbacks.History()
-        history.history, history.epoch = {"loss": []}, []
-        for epoch in range(epochs):
-            if verbose:
-                print(f"Epoch {epoch + 1}/{epochs}")
-            bar = keras.utils.Progbar(steps, verbose=verbose, stateful_metrics=())
-            losses = []
-            for k, (xb, yb) in enumerate(batches):
-                losses.append(self.train_step(xb, yb).loss)
-                bar.update(k + 1, [("loss", losses[-1])])
-            history.history["loss"].append(float(sum(losses) / len(losses)))
-            history.epoch.append(epoch)
+        history = fit_loop(lambda xb, yb: self.train_step(xb, yb).loss, x, y, batch_size,
+                           epochs, verbose, divisor=self.num_microbatches)
         self.write_back()
         return history
 

@@ -1,0 +1,128 @@
+"""Keras models the library did not build, and Keras training them on one device: the
+references every Keras form is checked against (``keras_zoo``)."""
+
+import types
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+RTOL = 1e-5
+BATCH, STEPS = 16, 3
+
+
+def assert_close(actual, ref, what="", scale=None):
+    """rtol 1e-5; atol 1e-5 of ``scale`` (default: the largest reference value), so that
+    weights whose true gradient is zero (attention's key bias) compare as rounding noise."""
+    ref = np.asarray(ref, np.float64)
+    scale = np.abs(ref).max() if scale is None else scale
+    np.testing.assert_allclose(actual, ref, rtol=RTOL, atol=RTOL * max(scale, 1e-30),
+                               err_msg=what)
+
+
+def mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,), dtype="float64")] + [
+        keras.layers.Dense(n, activation=a, dtype="float64")
+        for n, a in [(16, "relu"), (16, "tanh"), (12, "relu"), (3, None)]])
+
+
+@keras.saving.register_keras_serializable("accel_tests")
+class Block(keras.layers.Layer):
+    """A pre-norm transformer block as one layer, residuals inside."""
+
+    def __init__(self, width, heads, **kwargs):
+        super().__init__(**kwargs)
+        self.width, self.heads = width, heads
+        self.norm1 = keras.layers.LayerNormalization(dtype=self.dtype_policy)
+        self.attn = keras.layers.MultiHeadAttention(heads, width // heads,
+                                                    dtype=self.dtype_policy)
+        self.norm2 = keras.layers.LayerNormalization(dtype=self.dtype_policy)
+        self.up = keras.layers.Dense(2 * width, activation="gelu", dtype=self.dtype_policy)
+        self.down = keras.layers.Dense(width, dtype=self.dtype_policy)
+
+    def call(self, x, training=False):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, training=training)
+        return x + self.down(self.up(self.norm2(x)))
+
+    def get_config(self):
+        return {**super().get_config(), "width": self.width, "heads": self.heads}
+
+
+def transformer(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((5, 8), dtype="float64"),
+        keras.layers.Dense(8, dtype="float64"),
+        Block(8, 2, dtype="float64"), Block(8, 2, dtype="float64"),
+        keras.layers.GlobalAveragePooling1D(dtype="float64"),
+        keras.layers.Dense(3, dtype="float64")])
+
+
+def cnn(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((8, 8, 2), dtype="float64"),
+        keras.layers.Conv2D(4, 3, padding="same", activation="relu", dtype="float64"),
+        keras.layers.BatchNormalization(dtype="float64"),
+        keras.layers.MaxPooling2D(dtype="float64"),
+        keras.layers.Conv2D(4, 3, padding="same", activation="relu", dtype="float64"),
+        keras.layers.Flatten(dtype="float64"),
+        keras.layers.Dense(3, dtype="float64")])
+
+
+MODELS = {"mlp": mlp, "transformer": transformer, "cnn": cnn}
+OPTIMIZERS = {"adam": lambda: keras.optimizers.Adam(0.01),
+              "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True)}
+
+
+def data_for(model, n=BATCH * STEPS, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, *model.inputs[0].shape[1:]))
+    return x, rng.normal(size=(n, 3))
+
+
+def clone(model):
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    return twin
+
+
+def keras_fit(model, optimizer, x, y):
+    """The reference: Keras's own fit on one device, in order, batch by batch."""
+    ref = clone(model)
+    # eager: tracing the transformer's train step costs more than the three steps it runs
+    ref.compile(optimizer=optimizer, loss="mse", run_eagerly=True)
+    hist = ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return ref, hist.history["loss"][0]
+
+
+def flat(tensors):
+    """Tensors (or arrays) as one float64 vector."""
+    return np.concatenate([np.asarray(t, np.float64).ravel() for t in tensors])
+
+
+def first_gradients(model, x, y, microbatches=1):
+    """d loss / d weights on one device for the first batch; with ``microbatches`` > 1, each
+    micro-batch runs through the model on its own (its own BatchNorm statistics)."""
+    ref = clone(model)
+    loss_fn = keras.losses.MeanSquaredError()
+    xb, yb = tf.constant(x[:BATCH]), tf.constant(y[:BATCH])
+    with tf.GradientTape() as tape:
+        parts = zip(tf.split(xb, microbatches), tf.split(yb, microbatches), strict=True)
+        loss = tf.add_n([loss_fn(yk, ref(xk, training=True)) for xk, yk in parts]) / microbatches
+    return float(loss), tape.gradient(loss, ref.trainable_weights)
+
+
+
+
+@pytest.fixture(scope="session")
+def keras_zoo():
+    """The models (``mlp``, ``transformer``, ``cnn``: float64 ``Sequential`` s), optimizers by
+    name, data, Keras's own one-device training and the comparison used by every Keras form."""
+    return types.SimpleNamespace(
+        RTOL=RTOL, BATCH=BATCH, STEPS=STEPS, assert_close=assert_close, MODELS=MODELS,
+        OPTIMIZERS=OPTIMIZERS, data_for=data_for, clone=clone, keras_fit=keras_fit,
+        first_gradients=first_gradients, flat=flat)
