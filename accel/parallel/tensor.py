@@ -16,12 +16,18 @@ added by g), ``tp_mlp`` (column then row: one all-reduce forward, one backward) 
 single-device references are ``mlp`` and ``block``; ``shard`` / ``unshard`` split a parameter
 dict and put it back together. Every device's compute runs through
 ``accel.collectives.on_device``, so its backward stays on that device too.
+
+For a Keras model: ``ColumnParallelDense`` and ``RowParallelDense`` are Keras layers (one
+kernel shard per device), and ``TensorParallel(model, devices, rules)`` converts a
+``Sequential``'s matching ``Dense`` layers by name patterns (as Keras 3's ``LayoutMap`` maps
+weight paths to layouts) into a Keras model you compile and ``fit``, then ``write_back()``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -38,7 +44,8 @@ from accel.collectives import (
 __all__ = ["SPLIT_AXES", "init_block", "mlp", "block", "layer_norm", "attention", "shard",
            "unshard", "to_variables", "copy_to_shards", "reduce_from_shards",
            "gather_from_shards", "column_parallel_dense", "row_parallel_dense", "tp_mlp",
-           "tp_block", "all_reduces_per_step", "bytes_per_step"]
+           "tp_block", "all_reduces_per_step", "bytes_per_step", "ColumnParallelDense",
+           "RowParallelDense", "TensorParallel"]
 
 # how each parameter is split: axis of the split, or None = replicated on every device
 SPLIT_AXES: dict[str, int | None] = {
@@ -265,3 +272,234 @@ def bytes_per_step(kind: str, activation_shape: Sequence[int], n: int, itemsize:
     count = sum(all_reduces_per_step(kind).values()) * checks.positive_int("layers", layers)
     nbytes = int(np.prod(activation_shape)) * checks.positive_int("itemsize", itemsize)
     return count * all_reduce_bytes(nbytes, checks.positive_int("n", n))
+
+
+# --------------------------------------------------------------------------- as Keras layers
+def _split_sizes(total: int, n: int, what: str) -> int:
+    if total % n:
+        raise ValueError(f"{what}={total} does not split evenly over {n} devices")
+    return total // n
+
+
+class _ShardedDense(keras.layers.Layer):
+    """Shared by the column- and row-parallel Dense layers: one kernel shard per device."""
+
+    def __init__(self, units: int, devices: Sequence[str], activation=None,
+                 use_bias: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        from accel.devices import parse_device
+
+        self.units = checks.positive_int("units", units)
+        self.devices = [parse_device(d).to_string() for d in devices]
+        if len(self.devices) < 1 or len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"devices must name one or more distinct devices, got {devices!r}")
+        self.activation = keras.activations.get(activation)
+        self.use_bias = use_bias
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "devices": self.devices,
+                "activation": keras.activations.serialize(self.activation),
+                "use_bias": self.use_bias}
+
+
+class ColumnParallelDense(_ShardedDense):
+    """``Dense`` with its kernel split by output columns: device ``i`` holds columns
+    ``i*k .. (i+1)*k`` (and that slice of the bias) and computes them from its copy of the
+    input. Returns the column slices as a tuple, one per device (``gather_output=False``, to
+    feed a ``RowParallelDense``: Megatron's MLP sends nothing in between), or the full output
+    concatenated on ``devices[0]``. The activation, applied per column, runs on each device.
+    Each device's forward and backward run on that device (``accel.collectives.on_device``)."""
+
+    def __init__(self, units: int, devices: Sequence[str], activation=None,
+                 use_bias: bool = True, gather_output: bool = True, **kwargs):
+        super().__init__(units, devices, activation, use_bias, **kwargs)
+        self.gather_output = gather_output
+        self.shard_units = _split_sizes(self.units, len(self.devices), "units")
+
+    def build(self, input_shape):
+        fan_in = int(input_shape[-1])
+        self.kernels, self.biases = [], []
+        for i, d in enumerate(self.devices):
+            with tf.device(d):
+                self.kernels.append(self.add_weight(shape=(fan_in, self.shard_units),
+                                                    initializer="glorot_uniform",
+                                                    name=f"kernel_{i}"))
+                if self.use_bias:
+                    self.biases.append(self.add_weight(shape=(self.shard_units,),
+                                                       initializer="zeros", name=f"bias_{i}"))
+
+    def call(self, x):
+        ys = []
+        for i, d in enumerate(self.devices):
+            def shard(x, i=i):
+                y = tf.matmul(x, self.kernels[i].value)
+                if self.use_bias:
+                    y = y + self.biases[i].value
+                return self.activation(y)
+            ys.append(on_device(shard, d, x))
+        if not self.gather_output:
+            return tuple(ys)
+        with tf.device(self.devices[0]):
+            return tf.concat(ys, -1)
+
+    def compute_output_spec(self, x):
+        shape = tuple(x.shape[:-1])
+        if self.gather_output:
+            return keras.KerasTensor((*shape, self.units), dtype=self.compute_dtype)
+        return tuple(keras.KerasTensor((*shape, self.shard_units), dtype=self.compute_dtype)
+                     for _ in self.devices)
+
+    def get_config(self):
+        return {**super().get_config(), "gather_output": self.gather_output}
+
+    def set_full_weights(self, kernel, bias=None) -> None:
+        """Load a full ``Dense`` kernel (and bias): each device gets its columns."""
+        k = self.shard_units
+        for i in range(len(self.devices)):
+            self.kernels[i].assign(kernel[:, i * k:(i + 1) * k])
+            if self.use_bias:
+                self.biases[i].assign(bias[i * k:(i + 1) * k])
+
+    def full_weights(self) -> list[np.ndarray]:
+        """The full kernel (and bias), as one ``Dense`` would hold them."""
+        out = [np.concatenate([w.numpy() for w in self.kernels], axis=1)]
+        return out + ([np.concatenate([b.numpy() for b in self.biases])] if self.use_bias
+                      else [])
+
+
+class RowParallelDense(_ShardedDense):
+    """``Dense`` with its kernel split by input rows: device ``i`` multiplies its slice of the
+    input (the tuple a ``ColumnParallelDense(gather_output=False)`` returns, or a tensor split
+    here along its last axis) by its rows; the partial sums are added on ``devices[0]``, where
+    the bias and the activation follow. Returns one tensor, on ``devices[0]``. (A Keras layer
+    has one output, so the partial sums meet on one device, a reduce; the all-reduce form, with
+    every device keeping a copy, is ``row_parallel_dense``.)"""
+
+    def build(self, input_shape):
+        n = len(self.devices)
+        if isinstance(input_shape, (list, tuple)) and input_shape \
+                and isinstance(input_shape[0], (list, tuple)):
+            if len(input_shape) != n:
+                raise ValueError(f"got {len(input_shape)} input shards for {n} devices")
+            rows = int(input_shape[0][-1])
+        else:
+            rows = _split_sizes(int(input_shape[-1]), n, "input features")
+        self.kernels = []
+        for i, d in enumerate(self.devices):
+            with tf.device(d):
+                self.kernels.append(self.add_weight(shape=(rows, self.units),
+                                                    initializer="glorot_uniform",
+                                                    name=f"kernel_{i}"))
+        if self.use_bias:
+            with tf.device(self.devices[0]):
+                self.bias = self.add_weight(shape=(self.units,), initializer="zeros",
+                                            name="bias")
+
+    def call(self, x):
+        parts = list(x) if isinstance(x, (list, tuple)) else \
+            tf.split(x, len(self.devices), axis=-1)
+        partial = [on_device(lambda p, i=i: tf.matmul(p, self.kernels[i].value), d, p)
+                   for i, (p, d) in enumerate(zip(parts, self.devices, strict=True))]
+        with tf.device(self.devices[0]):
+            y = tf.add_n(partial) if len(partial) > 1 else partial[0]
+            if self.use_bias:
+                y = y + self.bias.value
+            return self.activation(y)
+
+    def compute_output_spec(self, x):
+        first = x[0] if isinstance(x, (list, tuple)) else x
+        return keras.KerasTensor((*first.shape[:-1], self.units), dtype=self.compute_dtype)
+
+    def set_full_weights(self, kernel, bias=None) -> None:
+        """Load a full ``Dense`` kernel (and bias): each device gets its rows."""
+        k = kernel.shape[0] // len(self.devices)
+        for i in range(len(self.devices)):
+            self.kernels[i].assign(kernel[i * k:(i + 1) * k])
+        if self.use_bias:
+            self.bias.assign(bias)
+
+    def full_weights(self) -> list[np.ndarray]:
+        """The full kernel (and bias), as one ``Dense`` would hold them."""
+        out = [np.concatenate([w.numpy() for w in self.kernels], axis=0)]
+        return out + ([self.bias.numpy()] if self.use_bias else [])
+
+
+class TensorParallel:
+    """A Keras ``Sequential``'s ``Dense`` layers converted to column- / row-parallel ones by
+    rules, in the spirit of Keras 3's ``LayoutMap``: ``rules`` maps a regular expression,
+    searched in each layer's name, to ``"column"`` or ``"row"`` (the first rule that matches
+    wins; unmatched layers are copied as they are, their variables on ``devices[0]``).
+
+    ``tp = TensorParallel(model, devices, {"up": "column", "down": "row"})``; ``tp.model`` is
+    a Keras model holding the same weights, sharded: ``tp.compile(optimizer, loss)`` (Keras's
+    ``compile`` with ``jit_compile=False``, since XLA would compile every device's ops into one
+    cluster and drop their placement, and the optimizer's slots built beside their variables),
+    then ``tp.model.fit(...)`` with its progress bar, ``History`` and callbacks;
+    ``tp.write_back()`` puts the trained weights into ``model`` (full kernels gathered from the
+    shards). A column layer directly followed by a row layer hands
+    its column slices straight over (Megatron's MLP); otherwise it gathers them."""
+
+    def __init__(self, model, devices: Sequence[str], rules: Mapping[str, str]):
+        import re
+
+        from accel.devices import parse_device
+        from accel.parallel import keras_model as km
+
+        layers = km.sequential_layers(model)
+        self.devices = [parse_device(d).to_string() for d in devices]
+        compiled = []
+        for pattern, kind in rules.items():
+            checks.one_of(f"rules[{pattern!r}]", kind, ("column", "row"))
+            compiled.append((re.compile(pattern), kind))
+        kinds = []
+        for layer in layers:
+            kind = next((k for p, k in compiled if p.search(layer.name)), None)
+            if kind is not None and type(layer) is not keras.layers.Dense:
+                raise ValueError(f"rule for {kind}-parallel matches layer {layer.name} "
+                                 f"({type(layer).__name__}): only Dense layers can be split")
+            kinds.append(kind)
+        if not any(kinds):
+            raise ValueError(f"no layer name matches the rules {list(rules)}: layers are "
+                             f"{[la.name for la in layers]}")
+        self.original, self.kinds = layers, kinds
+        new = []
+        with tf.device(self.devices[0]):
+            for i, (layer, kind) in enumerate(zip(layers, kinds, strict=True)):
+                if kind is None:
+                    new.append(layer.__class__.from_config(layer.get_config()))
+                    continue
+                cfg = layer.get_config()
+                common = {"units": cfg["units"], "devices": self.devices,
+                          "activation": cfg["activation"], "use_bias": cfg["use_bias"],
+                          "name": f"{layer.name}_{kind}", "dtype": cfg["dtype"]}
+                if kind == "column":
+                    feeds_row = i + 1 < len(kinds) and kinds[i + 1] == "row"
+                    new.append(ColumnParallelDense(gather_output=not feeds_row, **common))
+                else:
+                    new.append(RowParallelDense(**common))
+            self.model = keras.Sequential([keras.Input(km.input_shape_of(model),
+                                                       dtype=model.inputs[0].dtype), *new])
+        for layer, copy, kind in zip(layers, new, kinds, strict=True):
+            if kind is None:
+                copy.set_weights(layer.get_weights())
+            else:
+                copy.set_full_weights(*layer.get_weights())
+        self.layers = new
+
+    def compile(self, optimizer, loss, **kwargs) -> None:
+        """``self.model.compile`` with ``jit_compile=False``, the optimizer built first, here,
+        so that each slot sits beside its variable (built inside ``fit``'s function, Keras
+        would put every slot on one device)."""
+        from accel.parallel import keras_model as km
+
+        if kwargs.get("jit_compile"):
+            raise ValueError("jit_compile=True: XLA would compile every device's ops into one "
+                             "cluster and drop their placement; leave it False")
+        optimizer = km.fresh_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
+        optimizer.build(self.model.trainable_variables)
+        self.model.compile(optimizer=optimizer, loss=loss, jit_compile=False, **kwargs)
+
+    def write_back(self) -> None:
+        """The trained weights into the original model (shards gathered into full kernels)."""
+        for layer, copy, kind in zip(self.original, self.layers, self.kinds, strict=True):
+            layer.set_weights(copy.get_weights() if kind is None else copy.full_weights())
