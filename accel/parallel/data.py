@@ -12,7 +12,8 @@ The towers recipe (one model replica, a *tower*, per device):
 ``make_single_step`` is the one-device reference. Loss functions return *per-example* losses
 (``accel.training``): a tower takes their mean over its shard. The same training with
 ``tf.distribute.MirroredStrategy`` is ``accel.parallel.mirrored``; TFRecord input is
-``accel.parallel.inputs``.
+``accel.parallel.inputs``. ``DataParallel(model, devices, loss, optimizer)`` is the recipe for
+a Keras model, with ``fit`` and the weights written back.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from accel.training import make_update
 
 __all__ = [
     "REMAINDERS", "MISSING", "split_batch", "average_gradients", "make_variables",
-    "make_tower_step", "make_single_step", "scaled_learning_rate",
+    "make_tower_step", "make_single_step", "scaled_learning_rate", "DataParallel",
 ]
 
 REMAINDERS = ("error", "pad", "drop")
@@ -280,3 +281,55 @@ def scaled_learning_rate(base_lr: float, base_batch: int, global_batch: int) -> 
     checks.positive_int("base_batch", base_batch)
     checks.positive_int("global_batch", global_batch)
     return base_lr * global_batch / base_batch
+
+
+class DataParallel:
+    """The towers recipe for a Keras model (any model ``keras.models.clone_model`` can copy).
+
+    ``DataParallel(model, devices, loss=..., optimizer=...)`` trains a working copy of
+    ``model`` whose variables (and, the optimizer being built there, its slots) live on
+    ``variable_device`` (default ``devices[0]``); every step splits the batch into one shard
+    per device, each tower runs the copy's forward and backward on its shard under
+    ``tf.device``, and the averaged gradients are applied once (``make_tower_step``).
+
+    * ``train_step(x, y) -> loss``: one step (the user's model untouched);
+    * ``fit(x, y, batch_size, epochs)``: Keras-style (``batch_size`` a multiple of the number
+      of devices), then ``write_back()`` puts the weights into the user's model.
+
+    BatchNormalization: each tower normalises its own shard and updates the moving statistics
+    from it, tower after tower (per-replica batch norm; ``MirroredStrategy`` with
+    ``BatchNormalization(synchronized=True)`` normalises over the whole batch instead).
+    """
+
+    def __init__(self, model, devices: Sequence[str], *, loss, optimizer,
+                 variable_device: str | None = None):
+        from accel.parallel import keras_model as km
+
+        self.devices = [parse_device(d).to_string() for d in devices]
+        if not self.devices:
+            raise ValueError("devices is empty: give at least one device name")
+        self.variable_device = parse_device(variable_device or self.devices[0]).to_string()
+        self.model = model
+        self.copy = km.copy_model(model, self.variable_device)
+        self.optimizer = km.fresh_optimizer(optimizer)
+        self._step = make_tower_step(None, km.loss_function(loss), self.copy, self.optimizer,
+                                     self.devices, self.variable_device)
+
+    def train_step(self, x, y) -> float:
+        """One synchronous step over the towers; the batch's mean loss."""
+        return float(self._step(tf.convert_to_tensor(x), tf.convert_to_tensor(y)))
+
+    def write_back(self) -> None:
+        """The copy's weights (trainable and not) into the user's model."""
+        self.model.set_weights(self.copy.get_weights())
+
+    def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
+            verbose: int = 1):
+        """Keras-style training in order, then ``write_back()``; returns a
+        ``keras.callbacks.History``."""
+        from accel.parallel.keras_model import fit_loop
+
+        history = fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
+                           divisor=len(self.devices))
+        self.write_back()
+        return history

@@ -38,7 +38,7 @@ from accel import checks
 from accel.devices import parse_device
 from accel.placement import short_device
 
-__all__ = ["sequential_layers", "input_shape_of", "balance_layers", "copy_layers",
+__all__ = ["sequential_layers", "input_shape_of", "balance_layers", "copy_model", "copy_layers",
            "copy_parts", "output_shape_of", "write_back", "fresh_optimizer", "loss_function",
            "variable_devices", "fit_loop"]
 
@@ -100,6 +100,24 @@ def copy_parts(layers: Sequence, sizes: Sequence[int], devices: Sequence[str],
         parts.append(part)
         copies.append(made)
     return parts, copies
+
+
+def copy_model(model, device: str):
+    """A copy of any Keras model (``keras.models.clone_model``: Sequential, functional or a
+    subclass with ``get_config``) with its variables created on ``device``, holding the same
+    weights."""
+    device = parse_device(device).to_string()
+    with tf.device(device):
+        try:
+            twin = keras.models.clone_model(model)
+        except Exception as exc:  # a subclassed model or layer without get_config
+            raise ValueError(f"the model cannot be rebuilt from its config ({type(exc).__name__}"
+                             f": {str(exc).splitlines()[0][:160]}); give custom layers "
+                             "get_config() returning their constructor's arguments") from exc
+        if not twin.built:
+            twin.build(model.inputs[0].shape if getattr(model, "inputs", None) else None)
+    twin.set_weights(model.get_weights())
+    return twin
 
 
 def copy_layers(layers: Sequence, device: str, input_shape: Sequence[int]) -> list:
