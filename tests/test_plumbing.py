@@ -1,4 +1,4 @@
-"""Shared plumbing: accel.checks, procs, timing, data, models, training, viz; the course registry
+"""Shared plumbing: accel.checks, procs, timing, data, models, training, viz;
 and the CLI."""
 
 import json
@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accel import __main__ as cli
 from accel import checks, data, models, procs, timing, training, viz
-from accel.course import registry
 
 matplotlib.use("Agg")
 
@@ -94,7 +92,7 @@ def test_mlp_and_keras_mlp_agree_forward_and_gradient():
         models.mlp_apply(params[:1], x)
 
 
-def test_viz_helpers_and_registry(tmp_path):
+def test_viz_helpers():
     fig = viz.bars({"a": 2.0, "b": 4.0}, "time", baseline="a")
     assert [round(p.get_height(), 2) for p in fig.axes[0].patches] == [1.0, 2.0]
     fig = viz.curves({"loss": [3, 2, 1]}, "step", "loss", logy=True)
@@ -105,53 +103,6 @@ def test_viz_helpers_and_registry(tmp_path):
         viz.timeline([("dev0", 1, 0, "F0")])
     with pytest.raises(ValueError, match="baseline 'z'"):
         viz.bars({"a": 1.0}, "x", baseline="z")
-    saved = registry.save_figures(tmp_path, ["02_placement.png", "03_kernels.png",
-                                              "01_devices.png"])
-    assert all(p.exists() and p.stat().st_size > 1000 for p in saved)
-    with pytest.raises(ValueError, match=r"unknown figure\(s\) \['99_nope.png'\]"):
-        registry.save_figures(tmp_path, ["99_nope.png"])
-
-
-def test_bench_registry_and_cli(capsys):
-    with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
-        registry.get("nope")
-    assert callable(registry.get("copy-cost"))
-    assert cli.main(["bench", "--list"]) == 0
-    listed = capsys.readouterr().out.splitlines()
-    assert [line.split("\t")[0] for line in listed] == sorted(registry.BENCHMARKS)
-    assert all(line.split("\t")[1] == registry.BENCHMARKS[line.split("\t")[0]][1]
-               for line in listed)
-    assert cli.main(["devices"]) == 0
-    assert "/device:" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench", "nope"])
-    assert exit_info.value.code == 2
-
-
-def test_help_reads_as_plain_text(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["--help"])
-    assert exit_info.value.code == 0
-    text = capsys.readouterr().out
-    assert "python -m accel bench NAME" in text
-    assert "``" not in text and ":func:" not in text
-
-
-def test_every_registered_figure_and_benchmark_resolves():
-    import importlib
-
-    for target in [*registry.FIGURES.values(), *(t for t, _ in registry.BENCHMARKS.values())]:
-        module, func = target.split(":")
-        assert callable(getattr(importlib.import_module(module), func)), target
-
-
-def test_images_cli_one_figure_and_unknown_name(tmp_path, capsys):
-    assert cli.main(["images", "--out", str(tmp_path), "03_kernels.png"]) == 0
-    assert (tmp_path / "03_kernels.png").stat().st_size > 1000
-    assert capsys.readouterr().out.strip().endswith("03_kernels.png")
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["images", "--out", str(tmp_path), "99_nope.png"])
-    assert exit_info.value.code == 2
 
 
 def test_max_difference():
@@ -173,6 +124,7 @@ def test_import_accel_course_turns_onednn_off_unless_set():
     assert run_python(show, env={"TF_ENABLE_ONEDNN_OPTS": "1"}).split()[-1] == "1"
 
 
+@pytest.mark.slow  # a fresh interpreter importing every module
 def test_the_library_changes_nothing_global():
     """Importing every library module (all but accel.course) leaves the environment and the
     device configuration as they were, and prints nothing."""
@@ -244,13 +196,3 @@ def test_run_python_returns_stdout_and_reports_failures_and_timeouts():
         procs.run_python("pass", timeout=0)
 
 
-def test_measured_figures_are_saved_only_by_make_execute(tmp_path, monkeypatch):
-    fig = viz.bars({"a": 1.0}, "x")
-    monkeypatch.delenv("ACCEL_SAVE_FIGURES", raising=False)
-    assert registry.save_measured_figure(fig, "m.png", out=tmp_path) is None
-    assert not (tmp_path / "m.png").exists()
-    monkeypatch.setenv("ACCEL_SAVE_FIGURES", "1")
-    assert registry.save_measured_figure(fig, "m.png", out=tmp_path) == tmp_path / "m.png"
-    assert (tmp_path / "m.png").stat().st_size > 1000
-    assert registry.figure_run(tmp_path / "m.png") == registry.RUN_ID
-    assert len(registry.RUN_ID) == 12

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 import accel
-from accel.course import registry
 from accel.procs import run_python
 
 ROOT = Path(accel.__file__).parent
@@ -161,9 +160,18 @@ def test_the_built_wheel_carries_every_module(tmp_path):
     assert run_python(code, timeout=300).strip().endswith("ok")
 
 
-@pytest.mark.slow
-def test_every_benchmark_runs_one_after_another_in_one_process():
-    out = run_python("from accel.__main__ import main\nmain(['bench', 'all', '--quick'])",
-                     timeout=600, warm=True)
-    ran = [line[3:] for line in out.splitlines() if line.startswith("== ")]
-    assert ran == sorted(registry.BENCHMARKS)
+
+
+def test_library_tests_never_import_the_course():
+    """The library is checked on its own: only tests/course and the chapters' own checks
+    may import the course package or the command line (which imports it)."""
+    import re
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    course_side = {here / "test_chapters.py", *here.glob("course/*.py")}
+    pattern = re.compile(r"^\s*(from accel\.course\b|import accel\.course\b|"
+                         r"from accel import (.*\b)?(course|__main__)\b)", re.M)
+    offenders = [str(p.relative_to(here)) for p in here.rglob("*.py")
+                 if p not in course_side and pattern.search(p.read_text())]
+    assert offenders == []

@@ -16,9 +16,9 @@ import numpy as np
 import tensorflow as tf
 
 from accel import checks, procs, timing, viz
-from accel.parallel import partition
 from accel.parallel import pipeline as pl
 from accel.parallel import pipeline_exec as pe
+from accel.parallel.layers import dense, linear
 from accel.training import squared_error
 
 __all__ = ["dense_stages", "square_stages", "one_device_step", "make_batch", "measure_bubble",
@@ -34,24 +34,11 @@ def _enough_devices(num_stages: int, devices: Sequence[str]) -> None:
 
 def dense_stages(params: Sequence, balance: Sequence[int], devices: Sequence[str]):
     """The MLP of ``accel.models.mlp_init`` (``[w0, b0, w1, b1, ...]``) cut by ``balance`` (in
-    layers), part ``s`` on ``devices[s]``: ReLU after every layer but the last."""
-    ranges = partition.part_ranges(partition.check_balance(balance, len(params) // 2))
-    _enough_devices(len(ranges), devices)
-    stages = []
-    for s, (layers, device) in enumerate(zip(ranges, devices[:len(ranges)], strict=True)):
-        with tf.device(device):
-            variables = [tf.Variable(params[2 * k + j]) for k in layers for j in (0, 1)]
-        last = s == len(ranges) - 1
-
-        def fn(p, x, last=last):
-            for k in range(0, len(p), 2):
-                x = tf.matmul(x, p[k]) + p[k + 1]
-                if not (last and k + 2 == len(p)):
-                    x = tf.nn.relu(x)
-            return x
-
-        stages.append(pe.Stage(fn, variables, device))
-    return stages
+    layers), part ``s`` on ``devices[s]``: ReLU after every layer but the last
+    (``pipeline_exec.layer_stages`` on ``accel.parallel.layers``' dense and linear layers)."""
+    n = len(params) // 2
+    layers = [(dense if k < n - 1 else linear, params[2 * k:2 * k + 2]) for k in range(n)]
+    return pe.layer_stages(layers, balance, devices)
 
 
 def square_stages(devices: Sequence[str], balance: Sequence[int], width: int = 512,

@@ -38,8 +38,8 @@ from accel.devices import parse_device
 from accel.parallel.pipeline import Task, device_orders, interval_idle_fractions, validate_schedule
 from accel.training import make_update
 
-__all__ = ["Stage", "PipelineRun", "split_microbatches", "stage_devices", "run_schedule",
-           "make_pipeline_step", "measured_idle_fractions", "Pipeline"]
+__all__ = ["Stage", "PipelineRun", "split_microbatches", "layer_stages", "stage_devices",
+           "run_schedule", "make_pipeline_step", "measured_idle_fractions", "Pipeline"]
 
 
 @dataclass
@@ -77,6 +77,36 @@ def split_microbatches(x, y, num_microbatches: int) -> list[tuple[tf.Tensor, tf.
     size = n // num_microbatches
     return [(x[k * size:(k + 1) * size], y[k * size:(k + 1) * size])
             for k in range(num_microbatches)]
+
+
+def layer_stages(layers: Sequence, balance: Sequence[int], devices: Sequence[str]) -> list[Stage]:
+    """Stages from ``(fn, arrays)`` layers (``accel.parallel.layers``; ``fn(params, x)``): cut by
+    ``balance`` (layers per stage, ``accel.parallel.partition``), stage ``s`` on
+    ``devices[s]`` with its layers' variables created there. (A Keras ``Sequential``:
+    ``Pipeline``.)"""
+    from accel.parallel import partition
+
+    layers = list(layers)
+    ranges = partition.part_ranges(partition.check_balance(balance, len(layers)))
+    if len(ranges) > len(devices):
+        raise ValueError(f"{len(ranges)} stages need {len(ranges)} devices, got {len(devices)}: "
+                         f"{list(devices)}")
+    stages = []
+    for r, device in zip(ranges, devices[:len(ranges)], strict=True):
+        fns = [layers[i][0] for i in r]
+        with tf.device(device):
+            variables = [[tf.Variable(a) for a in layers[i][1]] for i in r]
+        counts = [len(v) for v in variables]
+
+        def fn(params, x, fns=fns, counts=counts):
+            start = 0
+            for f, k in zip(fns, counts, strict=True):
+                x = f(params[start:start + k], x)
+                start += k
+            return x
+
+        stages.append(Stage(fn, [v for vs in variables for v in vs], device))
+    return stages
 
 
 class _Run:

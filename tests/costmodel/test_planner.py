@@ -26,21 +26,6 @@ def test_states_equal_chapter_04_estimate():
     assert (w, g, o) == (est.weights, est.gradients, est.optimizer_slots)
 
 
-def test_stage_bytes_equal_chapter_07_split(four_devices):
-    from accel.course import model_parallel as course
-    from accel.parallel import model as mp
-    from accel.parallel.layers import mlp_layers
-
-    sizes = [8, 16, 16, 16, 4]
-    split = mp.split(mlp_layers(sizes), four_devices[:3], [8])
-    mem = course.memory_per_device(mp.SplitModel(split))
-    layer_params = [a * b + b for a, b in zip(sizes, sizes[1:], strict=False)]
-    predicted = pl.stage_state_bytes(layer_params, split.balance, "fp32")
-    for dev, (w, g, o) in zip(split.devices, predicted, strict=True):
-        e = mem[dev]["split"]
-        assert (w, g, o) == (e.weights, e.gradients, e.optimizer_slots)
-
-
 @pytest.mark.parametrize("t", [1, 2, 4])
 def test_layer_parameters_equal_chapter_09_shards(t):
     from accel.parallel import tensor

@@ -3,6 +3,7 @@ wavefront's variants against each other's outputs, and the exercises' solutions.
 
 import numpy as np
 
+from accel.costmodel import planner as pl
 from accel.course import model_parallel as course
 from accel.parallel import model as mp
 from accel.parallel.layers import mlp_layers
@@ -61,3 +62,14 @@ def test_naive_trace_lists_every_device(four_devices):
     assert list(res["idle"]) == four_devices
     assert all(0 <= f < 1 for f in res["idle"].values())
     assert np.isfinite(res["span"])
+
+
+def test_stage_bytes_equal_chapter_07_split(four_devices):
+    sizes = [8, 16, 16, 16, 4]
+    split = mp.split(mlp_layers(sizes), four_devices[:3], [8])
+    mem = course.memory_per_device(mp.SplitModel(split))
+    layer_params = [a * b + b for a, b in zip(sizes, sizes[1:], strict=False)]
+    predicted = pl.stage_state_bytes(layer_params, split.balance, "fp32")
+    for dev, (w, g, o) in zip(split.devices, predicted, strict=True):
+        e = mem[dev]["split"]
+        assert (w, g, o) == (e.weights, e.gradients, e.optimizer_slots)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from accel.course import tensor_parallel as course
+from accel.parallel import tensor as tp
 
 
 def test_exercise_1_solution():
@@ -45,3 +46,18 @@ def test_figures_draw():
     for fig in (course.figure_sequence_parallel(), course.figure_tp_cost()):
         assert fig.axes
         plt.close(fig)
+
+
+B, S, H, HEADS = 2, 4, 8, 4  # as in tests/parallel/test_tensor.py
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("kind", ["mlp", "block"])
+def test_all_reduces_and_bytes_counted_in_the_graph_that_ran(four_devices, n, kind):
+    """forward + backward (with the input's gradient, as for a layer inside a stack): each
+    all-reduce sends the activation from every device to each of the n - 1 others."""
+    got = course.counted_bytes(four_devices, n, kind, batch=B, seq=S, hidden=H, heads=HEADS)
+    per = {"mlp": 2, "block": 4}[kind]  # all-reduces per step, by hand (Megatron-LM section 3)
+    activation = B * S * H * 4
+    assert got["counted_min"] == got["counted_max"] == per * (n - 1) * activation
+    assert tp.bytes_per_step(kind, [B, S, H], n) == per * (n - 1) * activation

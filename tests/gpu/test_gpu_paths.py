@@ -107,11 +107,12 @@ def test_04_the_allocator_peak_counts_a_step_on_the_device():
 
 def test_05_synchronous_parameter_server_on_the_devices_equals_sgd_on_the_cpu():
     out = run_on(3, """
-        from accel import models
-        from accel.course.sync_async import toy_problem
+        from accel import data, models
         from accel.parallel import parameter_server as ps
         from accel.training import squared_error
-        problem = toy_problem(n=96, features=4, hidden=8)
+        x, y, _ = data.regression(n=96, features=4, seed=0)
+        problem = {"model_fn": models.mlp_apply, "loss_fn": squared_error, "x": x, "y": y,
+                   "params": models.mlp_init([4, 8, 1], seed=0)}
         got = ps.train_sync(**problem, workers=names[1:], ps_device=names[0], steps=4,
                             batch_size=8, optimizer=0.05).params
         shards = ps.worker_batches(problem["x"], problem["y"], 2, 8)

@@ -1,4 +1,4 @@
-"""accel.parallel.data, mirrored, inputs (and chapter 07's experiments in accel.course.scaling):
+"""accel.parallel.data, mirrored, inputs:
 every parallel variant is compared with the single-device step on the whole batch; placement is
 checked with accel.placement."""
 
@@ -9,7 +9,6 @@ import pytest
 import tensorflow as tf
 
 from accel import data, models
-from accel.course import scaling
 from accel.parallel import data as dp
 from accel.parallel import inputs as tfrecords
 from accel.parallel.mirrored import make_mirrored_step, mirrored_strategy
@@ -353,32 +352,3 @@ def test_linear_rule_and_final_loss_inputs():
     assert dp.scaled_learning_rate(0.1, 256, 8192) == pytest.approx(3.2)
     with pytest.raises(ValueError, match="base_batch must be an int >= 1, got 0"):
         dp.scaled_learning_rate(0.1, 0, 8)
-    with pytest.raises(ValueError, match=r"batch_size 2048 is larger than the data set \(n=1024\)"):
-        scaling.final_loss(2048, 0.1)
-
-
-def test_figure_scaling_from_results():
-    import matplotlib.pyplot as plt
-
-    res = {"counts": [1, 2, 4], "per_device_batch": 8,
-           "step_s": {"towers": [1.0, 2.0, 4.0], "mirrored": [1.0, 2.1, 4.2],
-                      "single": [1.0, 2.0, 4.0]},
-           "examples_per_s": {"towers": [8, 8, 8], "mirrored": [8, 7.6, 7.6],
-                              "single": [8, 8, 8]}}
-    fig = scaling.figure_scaling(res)
-    assert len(fig.axes) == 2
-    plt.close(fig)
-    lines = scaling.format_scaling(res).splitlines()
-    assert lines[0].split() == ["devices", "1", "2", "4"]
-    assert lines[2].split() == ["towers", "1000.0ms", "2000.0ms", "4000.0ms"]
-    assert lines[-1].endswith("1.00  0.95  0.95")
-
-
-def test_timed_steps_agree_on_loss(four_devices):
-    """The second call's loss depends on the first update: the three steps train alike."""
-    steps = scaling.timed_steps(2, four_devices, per_device_batch=8, sizes=(4, 8, 2))
-    first = {k: float(fn()) for k, fn in steps.items()}
-    losses = {k: float(fn()) for k, fn in steps.items()}
-    assert losses["single"] < first["single"]
-    assert losses["towers"] == pytest.approx(losses["single"], rel=1e-5)
-    assert losses["mirrored"] == pytest.approx(losses["single"], rel=1e-5)

@@ -12,18 +12,12 @@ import pytest
 import tensorflow as tf
 
 from accel import models
-from accel.course.sync_async import toy_problem
 from accel.parallel import hogwild, staleness
 from accel.parallel import parameter_server as ps
 from accel.training import squared_error
 
 LR = 0.05
 BATCH = 8
-
-
-@pytest.fixture(scope="module")
-def problem():
-    return toy_problem(n=96, features=4, hidden=8)
 
 
 def loss_and_gradient(params, x, y):

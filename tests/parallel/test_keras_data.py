@@ -9,7 +9,7 @@ from accel.parallel import data as dp
 from accel.parallel import keras_model as km
 
 SLOW = pytest.mark.slow  # several seconds (attention traced): make test, not make quick
-CASES = [("mlp", "adam", 2), ("mlp", "sgd_momentum", 4),
+CASES = [("mlp", "adam", 2), pytest.param("mlp", "sgd_momentum", 4, marks=SLOW),
          pytest.param("transformer", "adam", 2, marks=SLOW)]
 
 

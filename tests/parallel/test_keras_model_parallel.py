@@ -9,10 +9,10 @@ import pytest
 from accel.parallel import keras_model as km
 from accel.parallel import model as mp
 
-SLOW = pytest.mark.slow  # several seconds each (attention traced): make test, not make quick
-CASES = [("mlp", "split", "adam"), ("mlp", "split", "sgd_momentum"),
-         ("mlp", "hybrid", "adam"), ("mlp", "hybrid", "sgd_momentum"),
-         ("cnn", "split", "adam"), ("cnn", "split", "sgd_momentum"),
+SLOW = pytest.mark.slow  # make test, not make quick (each several seconds, or a repeat)
+CASES = [("mlp", "split", "adam"), pytest.param("mlp", "split", "sgd_momentum", marks=SLOW),
+         ("mlp", "hybrid", "adam"), pytest.param("mlp", "hybrid", "sgd_momentum", marks=SLOW),
+         pytest.param("cnn", "split", "adam", marks=SLOW), ("cnn", "split", "sgd_momentum"),
          pytest.param("transformer", "split", "adam", marks=SLOW),
          pytest.param("transformer", "hybrid", "adam", marks=SLOW)]
 

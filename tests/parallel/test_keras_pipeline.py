@@ -13,7 +13,9 @@ from accel.parallel import pipeline_exec as pe
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
 SLOW = pytest.mark.slow  # several seconds each (eager attention): make test, not make quick
-CASES = ([("mlp", s, c, o) for s, c in SCHEDULES for o in ("adam", "sgd_momentum")]
+QUICK = {("1f1b", "adam"), ("interleaved", "adam")}  # the rest: make test, not make quick
+CASES = ([pytest.param("mlp", s, c, o, marks=() if (s, o) in QUICK else SLOW)
+          for s, c in SCHEDULES for o in ("adam", "sgd_momentum")]
          + [pytest.param("transformer", s, c, "adam", marks=SLOW) for s, c in SCHEDULES]
          + [pytest.param("transformer", "1f1b", 1, "sgd_momentum", marks=SLOW)])
 
@@ -136,6 +138,7 @@ def test_balance_and_bad_input(four_devices, keras_zoo):
         pipe.fit(x, y, batch_size=8)
 
 
+@SLOW
 def test_recompute_gives_the_same_step(four_devices, keras_zoo):
     z = keras_zoo
     model = z.MODELS["transformer"]()

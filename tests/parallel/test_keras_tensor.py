@@ -13,6 +13,7 @@ from accel.parallel import keras_model as km
 from accel.parallel import tensor as tp
 
 RULES = {"^up": "column", "^down": "row"}
+SLOW = pytest.mark.slow  # make test, not make quick
 
 
 def mlp(seed=0):
@@ -24,8 +25,8 @@ def mlp(seed=0):
                            (3, None, "down2")]])
 
 
-@pytest.mark.parametrize("opt", ["adam", "sgd_momentum"])
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n,opt", [(2, "adam"), pytest.param(2, "sgd_momentum", marks=SLOW),
+                                   pytest.param(4, "adam", marks=SLOW), (4, "sgd_momentum")])
 def test_tensor_parallel_fit_equals_keras_on_one_device(four_devices, keras_zoo, n, opt):
     z = keras_zoo
     model = mlp()

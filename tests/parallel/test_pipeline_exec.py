@@ -13,6 +13,7 @@ from accel import data, models
 from accel.parallel import partition
 from accel.parallel import pipeline as pl
 from accel.parallel import pipeline_exec as pe
+from accel.parallel.layers import dense, linear
 from accel.training import squared_error
 
 SIZES = [8, 16, 16, 16, 1]  # 4 dense layers
@@ -25,10 +26,10 @@ def assert_close(actual, ref):
 
 
 def dense_stages(devices, balance, params):
-    """The MLP's layers cut by ``balance``, stage s on devices[s] (chapter 10's set-up)."""
-    from accel.course.pipeline import dense_stages as build
-
-    return build(params, balance, devices)
+    """The MLP's layers (``accel.parallel.layers``) cut by ``balance``, stage s on devices[s]."""
+    n = len(params) // 2
+    layers = [(dense if k < n - 1 else linear, params[2 * k:2 * k + 2]) for k in range(n)]
+    return pe.layer_stages(layers, balance, devices)
 
 
 @pytest.fixture(scope="module")
@@ -158,31 +159,15 @@ def test_a_failing_stage_is_reported_and_no_thread_is_left(batch, four_devices):
     with pytest.raises(RuntimeError, match="stage exploded") as info:
         pe.run_schedule(stages, pl.gpipe_schedule(4, 2), *batch, squared_error, 4)
     assert any("pipeline stage 1" in note for note in info.value.__notes__)
-    assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-stage-")]
-
-
-def test_chapter_08_exercise_solutions():
-    from accel.course.pipeline import check_exercise
-
-    assert check_exercise(1, None) == "exercise 1: not answered yet"
-    assert check_exercise(1, 7 / 39) == "exercise 1: correct"
-    assert check_exercise(1, 7 / 32) == "exercise 1: not quite, try again"
-    assert check_exercise(2, pl.one_f_one_b_schedule(3, 2)) == "exercise 2: correct"
-    assert check_exercise(2, pl.gpipe_schedule(3, 2)) == "exercise 2: not quite, try again"
-    assert check_exercise(3, 63) == "exercise 3: correct"   # 63 / 70 = 0.9
-    assert check_exercise(3, 62) == "exercise 3: not quite, try again"
+    assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-")]
 
 
 def test_more_stages_than_layers_or_devices(four_devices):
-    from accel.course.pipeline import dense_stages, square_stages
-
     params = models.mlp_init(SIZES)
     with pytest.raises(ValueError, match="3 stages need 3 devices, got 2"):
-        dense_stages(params, [2, 1, 1], four_devices[:2])
+        dense_stages(four_devices[:2], [2, 1, 1], params)
     with pytest.raises(ValueError, match=r"balance \[2, 2, 1\] adds up to 5 layers, but the "
                                          "model has 4"):
-        dense_stages(params, [2, 2, 1], four_devices)
+        dense_stages(four_devices, [2, 2, 1], params)
     with pytest.raises(ValueError, match="cannot split 4 layers into 5 parts"):
         partition.balance_by_count(4, 5)
-    with pytest.raises(ValueError, match="2 stages need 2 devices, got 1"):
-        square_stages(four_devices[:1], [1, 1])
