@@ -207,6 +207,79 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     return {"gpipe": gpipe, "1f1b": ofob, "ceiling": measured.value}
 
 
+def measure_keras_bubble(devices: Sequence[str], microbatches: Sequence[int] = (2, 4, 8, 16),
+                         schedules: Sequence[tuple[str, int]] = (("1f1b", 1),
+                                                                 ("interleaved", 2)),
+                         layers: int = 8, width: int = 512, microbatch: int = 128,
+                         repeat: int = 3) -> dict:
+    """The idle share of a Keras ``Sequential`` (``layers`` Dense ReLU layers of ``width``)
+    trained by ``pipeline_exec.Pipeline`` on ``devices`` (p of them), for each schedule
+    ``(name, num_chunks)`` and number of micro-batches (fixed micro-batch size): measured (mean
+    over devices, from each device's busy intervals; the best of ``repeat`` runs after one
+    warm-up, interference only adding idle time) next to (p-1)/(vm+p-1), and the median
+    forward task time (the goal: at least 10 ms, so that Python's per-task cost is small)."""
+    import keras
+
+    from accel.parallel.pipeline_exec import Pipeline
+
+    p = len(devices)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((width,))]
+                             + [keras.layers.Dense(width, activation="relu")
+                                for _ in range(layers)])
+    out: dict = {}
+    for name, chunks in schedules:
+        rows = {}
+        for m in microbatches:
+            if name == "interleaved" and m % p:
+                continue
+            pipe = Pipeline(model, devices, loss="mse", optimizer="sgd", num_microbatches=m,
+                            schedule=name, num_chunks=chunks)
+            x, y = make_batch(m, microbatch, width)
+            pipe.train_step(x, y)  # warm-up
+            runs = [pipe.train_step(x, y) for _ in range(repeat)]
+            idle = [float(np.mean(pe.measured_idle_fractions(r))) for r in runs]
+            rows[m] = {"measured": min(idle), "formula": pl.bubble_fraction(p, m, chunks),
+                       "task_s": _task_times(runs[-1]), "step_s": min(_span(r) for r in runs)}
+        out[f"{name} v={chunks}"] = rows
+    return out
+
+
+_FRESH_KERAS = """
+import json
+import accel.course  # noqa: F401
+from accel import devices
+from accel.course import pipeline as cp
+names = devices.setup(2, intra_op_threads=1)
+print("RESULT" + json.dumps(cp.measure_keras_bubble(names, **{kwargs!r})))
+"""
+
+
+def bench_keras(device_names: Sequence[str], quick: bool = False) -> dict:
+    """``python -m accel bench keras-pipeline``: a Keras model pipelined on 2 devices (one
+    intra-op thread each, a fresh process): the measured idle share of 1F1B and interleaved 1F1B
+    (v = 2) against (p-1)/(vm+p-1) for m = 2..16, next to this machine's ceiling."""
+    kw = dict(microbatches=(2, 4) if quick else (2, 4, 8, 16), repeat=1 if quick else 3,
+              width=64 if quick else 512, layers=4 if quick else 8)
+    out = procs.run_python(_FRESH_KERAS.format(kwargs=kw), timeout=600, warm=True)
+    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
+    result = {k: {int(m): r for m, r in v.items()} for k, v in json.loads(line[6:]).items()}
+    print("schedule        m   measured idle  formula  difference  forward task (ms)  step (ms)")
+    for name, rows in result.items():
+        for m, r in rows.items():
+            print(f"{name:14s} {m:3d}  {r['measured']:13.3f}  {r['formula']:7.3f}  "
+                  f"{r['measured'] - r['formula']:+10.3f}  {r['task_s']['F'] * 1e3:17.1f}  "
+                  f"{r['step_s'] * 1e3:9.1f}")
+    both = [m for m in result.get("1f1b v=1", {}) if m in result.get("interleaved v=2", {})]
+    for m in both:
+        a, b = result["interleaved v=2"][m]["measured"], result["1f1b v=1"][m]["measured"]
+        print(f"m={m}: interleaved idle / 1F1B idle = {a / b:.2f} (formula "
+              f"{pl.bubble_fraction(2, m, 2) / pl.bubble_fraction(2, m):.2f})")
+    measured = timing.measure_ceiling()
+    print(timing.ceiling_line(measured))
+    return {"results": result, "ceiling": measured.value}
+
+
 def figure_schedules(num_microbatches: int = 8, num_stages: int = 4):
     """GPipe and 1F1B on the clock, one row per stage (pure schedule data, no measurement)."""
     import matplotlib.pyplot as plt

@@ -44,6 +44,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                        "fractions (chapter 09)"),
     "pipeline": ("accel.course.pipeline:bench",
                  "the bubble vs (p-1)/(m+p-1), 1F1B vs GPipe, pipeline vs one device (chapter 10)"),
+    "keras-pipeline": ("accel.course.pipeline:bench_keras",
+                       "a Keras model pipelined: 1F1B and interleaved 1F1B idle share vs "
+                       "(p-1)/(vm+p-1) on 2 devices (chapter 10)"),
     "tensor-parallel": ("accel.course.tensor_parallel:bench",
                         "tensor-parallel MLP and block vs one device, DTensor vs by hand, bytes "
                         "sent vs the formula (chapter 11)"),
