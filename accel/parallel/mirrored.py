@@ -3,7 +3,10 @@
 * ``mirrored_strategy(devices)``: a strategy over exactly those devices, whose gradient sum runs
   on the first device (like the towers) so that strategies of several sizes share a process;
 * ``make_mirrored_step(strategy, model, loss_fn, optimizer, global_batch_size)``: a custom-loop
-  training step, the loss scaled by the *global* batch size.
+  training step, the loss scaled by the *global* batch size;
+* ``Mirrored(build, devices)``: your Keras model under the strategy: ``build()`` creates and
+  compiles it inside ``strategy.scope()`` (Keras needs the model and its optimizer made there),
+  then Keras's own ``fit`` runs it on every device.
 
 The hand-written version of the same step is ``accel.parallel.data.make_tower_step``.
 """
@@ -17,7 +20,7 @@ import tensorflow as tf
 from accel import checks
 from accel.devices import parse_device
 
-__all__ = ["mirrored_strategy", "make_mirrored_step"]
+__all__ = ["mirrored_strategy", "make_mirrored_step", "Mirrored"]
 
 
 def mirrored_strategy(devices: Sequence[str],
@@ -77,3 +80,43 @@ def make_mirrored_step(strategy: tf.distribute.Strategy, model: tf.keras.Model,
         return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     return step
+
+
+class Mirrored:
+    """A Keras model trained by ``MirroredStrategy`` over ``devices`` with Keras's own ``fit``.
+
+    ``Mirrored(build, devices)`` calls ``build()`` inside ``strategy.scope()``: it must create
+    *and compile* the model (Keras requires the model and its optimizer to be made under the
+    scope; a model made outside cannot be moved in). ``m.model`` is that model: ``m.fit(...)``
+    is ``m.model.fit(...)``, and the trained weights are in ``m.model`` when it returns.
+    ``jit_compile=True`` is refused: XLA may override the per-replica placement.
+
+    BatchNormalization: by default each replica normalises its own shard (and the moving
+    statistics are kept in sync by Keras); ``BatchNormalization(synchronized=True)`` normalises
+    over the whole global batch, which is what one device training on that batch does.
+    """
+
+    def __init__(self, build: Callable, devices: Sequence[str],
+                 cross_device_ops: tf.distribute.CrossDeviceOps | None | str = "auto"):
+        if not callable(build) or isinstance(build, tf.keras.Model):
+            raise ValueError(f"build must be a function that creates and compiles the model "
+                             f"inside the strategy's scope, got {type(build).__name__}")
+        self.strategy = mirrored_strategy(devices, cross_device_ops)
+        with self.strategy.scope():
+            self.model = build()
+        if not isinstance(self.model, tf.keras.Model) or getattr(self.model, "optimizer",
+                                                                 None) is None:
+            raise ValueError("build() must return a compiled Keras model (call model.compile "
+                             "inside build, so that the optimizer is made under the scope)")
+        if self.model.jit_compile:
+            raise ValueError("the model was compiled with jit_compile=True (or 'auto' chose "
+                             "XLA): compile with jit_compile=False under MirroredStrategy")
+
+    @property
+    def num_replicas(self) -> int:
+        """How many replicas (devices) train the model."""
+        return self.strategy.num_replicas_in_sync
+
+    def fit(self, *args, **kwargs):
+        """``self.model.fit(...)`` (the global batch is split over the replicas)."""
+        return self.model.fit(*args, **kwargs)
