@@ -259,8 +259,8 @@ def bench_keras(device_names: Sequence[str], quick: bool = False) -> dict:
     """``python -m accel bench keras-pipeline``: a Keras model pipelined on 2 devices (one
     intra-op thread each, a fresh process): the measured idle share of 1F1B and interleaved 1F1B
     (v = 2) against (p-1)/(vm+p-1) for m = 2..16, next to this machine's ceiling."""
-    kw = dict(microbatches=(2, 4) if quick else (2, 4, 8, 16), repeat=1 if quick else 3,
-              width=64 if quick else 512, layers=4 if quick else 8)
+    kw = dict(microbatches=(2,) if quick else (2, 4, 8, 16), repeat=1 if quick else 3,
+              width=32 if quick else 512, layers=4 if quick else 8, microbatch=8 if quick else 128)
     out = procs.run_python(_FRESH_KERAS.format(kwargs=kw), timeout=600, warm=True)
     line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
     result = {k: {int(m): r for m, r in v.items()} for k, v in json.loads(line[6:]).items()}
