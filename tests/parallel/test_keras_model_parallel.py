@@ -36,10 +36,12 @@ def test_equals_keras_on_one_device(four_devices, keras_zoo, name, form, opt):
             held = km.variable_devices(copies)
             assert held == ({devs[p]} if any(c.weights for c in copies) else set())
 
-    loss0, grads0 = z.first_gradients(model, x, y)
-    loss, grads = mpar.gradients(x[:z.BATCH], y[:z.BATCH])
-    z.assert_close(loss, loss0, "first loss")
-    z.assert_close(z.flat(grads), z.flat(grads0), "first gradients")
+    if name != "transformer":  # tracing attention a second time costs ~5 s: there, the loss
+        # and the weights after every step (the pipeline's tests check its gradients) suffice
+        loss0, grads0 = z.first_gradients(model, x, y)
+        loss, grads = mpar.gradients(x[:z.BATCH], y[:z.BATCH])
+        z.assert_close(loss, loss0, "first loss")
+        z.assert_close(z.flat(grads), z.flat(grads0), "first gradients")
 
     history = mpar.fit(x, y, batch_size=z.BATCH, epochs=1, verbose=0)
     z.assert_close(history.history["loss"][0], ref_loss, "epoch loss")
