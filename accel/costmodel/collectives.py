@@ -40,7 +40,7 @@ from accel import checks
 
 __all__ = ["ALGORITHMS", "MEDIA", "terms", "allreduce_time", "crossover_bytes",
            "algorithm_bandwidth",
-           "bus_bandwidth", "BUS_FACTORS", "sharded_ps_time",
+           "bus_bandwidth", "BUS_FACTORS", "ring_all_reduce_bytes", "sharded_ps_time",
            "packed_time", "local_sgd_step_time", "overlapped_step_time", "SEED_2016"]
 
 ALGORITHMS = ("one_device", "direct", "ring", "tree")
@@ -54,6 +54,13 @@ BUS_FACTORS = {
     "broadcast": lambda n: 1.0,
     "reduce": lambda n: 1.0,
 }
+
+
+def ring_all_reduce_bytes(nbytes: float, n: int) -> float:
+    """Bytes each device sends in a ring all-reduce of ``nbytes``: ``2 (n - 1) / n * nbytes``
+    (``BUS_FACTORS["all_reduce"]``)."""
+    n = checks.positive_int("n", n)
+    return BUS_FACTORS["all_reduce"](n) * checks.non_negative_number("nbytes", nbytes)
 
 # Seed 002's figures (notes on A. Geron, "Hands-On Machine Learning with Scikit-Learn and
 # TensorFlow", 1st ed., 2017, ch. 12, reporting Google's 2016 experience): with the hardware

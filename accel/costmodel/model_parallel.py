@@ -18,13 +18,14 @@ weights, momentum and variance), Rajbhandari et al., "ZeRO", SC 2020, section 3.
 from __future__ import annotations
 
 from accel import checks
-from accel.costmodel.hardware import link_bandwidth, peak_flops
+from accel.costmodel.hardware import MEMORY_GB, link_bandwidth, peak_flops
+from accel.costmodel.zero import ADAM_MIXED_BYTES_PER_PARAM
 
 __all__ = ["BYTES_PER_PARAM_ADAM_MIXED", "A100_MEMORY_GB", "naive_split", "example_rows",
            "format_rows"]
 
-BYTES_PER_PARAM_ADAM_MIXED = 16  # ZeRO (Rajbhandari et al. 2020), section 3.1: 2 + 2 + 12
-A100_MEMORY_GB = 80  # NVIDIA A100 Tensor Core GPU data sheet (SXM, 80 GB), 2020
+BYTES_PER_PARAM_ADAM_MIXED = ADAM_MIXED_BYTES_PER_PARAM  # accel.costmodel.zero's table: 16
+A100_MEMORY_GB = MEMORY_GB["NVIDIA A100"].value  # accel.costmodel.hardware's figure: 80
 
 
 def naive_split(params: float, tokens: int, hidden: int, num_gpus: int, link: str,

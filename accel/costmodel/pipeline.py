@@ -2,13 +2,7 @@
 between stages, the bubble, and the activation memory a schedule stashes. A MODEL, not a
 measurement; figures come from ``accel.costmodel.hardware`` (cited there) or from you.
 
-Transformer activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models" (arXiv:2205.05198), count ``s b h (34 + 5 a s / h)`` bytes per layer for a
-micro-batch of ``b`` sequences of ``s`` tokens, hidden size ``h``, ``a`` attention heads, in 16-bit
-precision without recomputation. Forward FLOPs per layer: ``24 b s h^2 (1 + s / (6 h))``
-(Narayanan et al. 2021, arXiv:2104.04473, from their eq. 3 per layer, without the logit layer);
-a training step without recomputation (forward + backward) is three times that (their eq. 3 counts
-four passes, as it assumes full activation recomputation).
+A transformer layer's FLOPs and activation bytes are ``accel.costmodel.transformer``'s.
 """
 
 from __future__ import annotations
@@ -18,25 +12,8 @@ from dataclasses import dataclass
 from accel import checks
 from accel.costmodel.hardware import link_bandwidth, peak_flops
 
-__all__ = ["PipelineEstimate", "transformer_layer_activation_bytes",
-           "transformer_layer_train_flops", "pipeline_step", "microbatches_for_efficiency",
+__all__ = ["PipelineEstimate", "pipeline_step", "microbatches_for_efficiency",
            "stash_microbatches", "gpu_stage_seconds"]
-
-
-def transformer_layer_activation_bytes(seq: int, batch: int, hidden: int, heads: int) -> float:
-    """Activation bytes one transformer layer keeps for the backward pass (16-bit, no
-    recomputation), per micro-batch: ``s b h (34 + 5 a s / h)`` (Korthikanti et al. 2022)."""
-    for name, v in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads)):
-        checks.positive_int(name, v)
-    return seq * batch * hidden * (34 + 5 * heads * seq / hidden)
-
-
-def transformer_layer_train_flops(seq: int, batch: int, hidden: int) -> float:
-    """Training FLOPs (forward + backward, no recomputation) of one transformer layer:
-    3 x ``24 b s h^2 (1 + s / 6h)``."""
-    for name, v in (("seq", seq), ("batch", batch), ("hidden", hidden)):
-        checks.positive_int(name, v)
-    return 3 * 24 * batch * seq * hidden**2 * (1 + seq / (6 * hidden))
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from accel import checks
+from accel.costmodel.collectives import ring_all_reduce_bytes
 from accel.costmodel.hardware import MEMORY_GB, NODES, link_bandwidth, peak_flops
 from accel.costmodel.pipeline import pipeline_step, stash_microbatches
-from accel.costmodel.tensor_parallel import ring_all_reduce_bytes
+from accel.costmodel.transformer import layer_activation_bytes, layer_flops
 from accel.costmodel.zero import BYTES_PER_PARAM, zero_bytes_per_device, zero_comm_bytes
 
 __all__ = ["UTILIZATION", "Transformer", "Cluster", "Plan", "Memory",
@@ -190,8 +191,7 @@ def state_bytes(params: float, precision: str = "mixed", zero: int = 0,
 
 def _block_flops(model: Transformer, batch: int, recompute: bool) -> float:
     """One block's FLOPs: ``24 b s h^2 (1 + s / 6h)`` per pass, 4 passes with recomputation."""
-    b, s, h = checks.positive_int("batch", batch), model.seq, model.hidden
-    return (4 if recompute else 3) * 24 * b * s * h * h * (1 + s / (6 * h))
+    return layer_flops(batch, model.seq, model.hidden, passes=4 if recompute else 3)
 
 
 def _logit_flops(model: Transformer, batch: int) -> float:
@@ -244,8 +244,8 @@ def memory_per_device(model: Transformer, plan: Plan, batch: int,
     """Bytes one device of the first stage holds under ``plan`` for a global ``batch``."""
     _check(model, None, plan)
     w, g, o = state_bytes(stage_parameters(model, plan), precision, plan.zero, plan.data)
-    s, b, h, t = model.seq, plan.microbatch, model.hidden, plan.tensor
-    full = s * b * h * (10 + 24 / t + 5 * model.heads * s / (h * t))
+    s, b, h = model.seq, plan.microbatch, model.hidden
+    full = layer_activation_bytes(b, s, h, model.heads, plan.tensor)
     kept = 2 * s * b * h if plan.recompute else full
     in_flight = stash_microbatches("1f1b", plan.pipeline, microbatches(plan, batch))
     acts = in_flight * math.ceil(model.layers / plan.pipeline) * kept

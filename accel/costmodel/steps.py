@@ -7,6 +7,7 @@ numbers you pass), never a measurement.
 from __future__ import annotations
 
 from accel import checks
+from accel.costmodel.collectives import BUS_FACTORS
 from accel.costmodel.hardware import link_bandwidth
 
 __all__ = ["training_flops", "days_to_train", "transfer_time", "SCHEMES",
@@ -68,7 +69,7 @@ def data_parallel_step_time(n: int, compute_s: float, gradient_bytes: float,
     checks.one_of("scheme", scheme, SCHEMES)
     copy = gradient_bytes / bandwidth_bps
     if scheme == "ring":
-        return compute_s + 2 * (n - 1) / n * copy + 2 * (n - 1) * latency_s
+        return compute_s + BUS_FACTORS["all_reduce"](n) * copy + 2 * (n - 1) * latency_s
     if scheme == "one_device":
         return compute_s + 2 * (n - 1) * (copy + latency_s)
     return compute_s + 2 * n * (copy + latency_s)

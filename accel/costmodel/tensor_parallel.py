@@ -13,10 +13,13 @@ times 3 for forward + backward. The model assumes no overlap of compute and comm
 from __future__ import annotations
 
 from accel import checks
+from accel.costmodel.collectives import ring_all_reduce_bytes
 from accel.costmodel.hardware import link_bandwidth, peak_flops
+from accel.costmodel.transformer import layer_flops
+from accel.costmodel.zero import ADAM_MIXED_BYTES_PER_PARAM
 
-__all__ = ["MEGATRON_WEAK_SCALING", "MEGATRON_SOURCE", "ring_all_reduce_bytes",
-           "layer_flops", "tp_bytes_per_layer", "dp_bytes_per_layer", "layer_bytes_held",
+__all__ = ["MEGATRON_WEAK_SCALING", "MEGATRON_SOURCE",
+           "tp_bytes_per_layer", "dp_bytes_per_layer", "layer_bytes_held",
            "tp_layer_time"]
 
 MEGATRON_SOURCE = ("NVIDIA ADLR, 'MegatronLM's Supercharged V1.0' (nv-adlr.github.io/MegatronLMV1),"
@@ -24,19 +27,6 @@ MEGATRON_SOURCE = ("NVIDIA ADLR, 'MegatronLM's Supercharged V1.0' (nv-adlr.githu
 # REPORTED (not measured here): model-parallel GPUs -> (parameters in billions, % of linear)
 MEGATRON_WEAK_SCALING: dict[int, tuple[float, float]] = {
     1: (1.2, 100.0), 2: (2.0, 90.7), 4: (4.2, 86.5), 8: (8.7, 79.6)}
-
-
-def ring_all_reduce_bytes(nbytes: float, n: int) -> float:
-    """Bytes each device sends in a ring all-reduce of ``nbytes``: ``2 (n - 1) / n * nbytes``."""
-    n = checks.positive_int("n", n)
-    return 2 * (n - 1) / n * checks.non_negative_number("nbytes", nbytes)
-
-
-def layer_flops(batch: int, seq: int, hidden: int) -> float:
-    """Training FLOPs of one transformer layer (forward ``24 b s h^2``, x3 with backward)."""
-    b, s = checks.positive_int("batch", batch), checks.positive_int("seq", seq)
-    h = checks.positive_int("hidden", hidden)
-    return 3 * 24 * b * s * h * h
 
 
 def tp_bytes_per_layer(batch: int, seq: int, hidden: int, n: int, itemsize: int = 2) -> float:
@@ -51,7 +41,8 @@ def dp_bytes_per_layer(hidden: int, n: int, itemsize: int = 2) -> float:
     return ring_all_reduce_bytes(12 * checks.positive_int("hidden", hidden) ** 2 * itemsize, n)
 
 
-def layer_bytes_held(hidden: int, n: int, parallel: str, bytes_per_param: int = 16) -> float:
+def layer_bytes_held(hidden: int, n: int, parallel: str,
+                     bytes_per_param: int = ADAM_MIXED_BYTES_PER_PARAM) -> float:
     """Bytes of weights + gradients + Adam slots a device holds for one layer's ``12 h^2``
     parameters (16 bytes each in mixed precision with Adam: fp16 weight and gradient, fp32
     master weight and two slots): ``1/n`` of it with tensor parallelism, all of it with data."""
@@ -70,7 +61,7 @@ def tp_layer_time(batch: int, seq: int, hidden: int, n: int, device: str, link: 
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
     rate = peak_flops(device, precision) * utilization
-    compute_1 = layer_flops(batch, seq, hidden) / rate
+    compute_1 = layer_flops(batch, seq, hidden, attention_scores=False) / rate
     compute = compute_1 / checks.positive_int("n", n)
     comm = tp_bytes_per_layer(batch, seq, hidden, n, itemsize) / link_bandwidth(link)
     return {"compute_s": compute, "comm_s": comm,

@@ -33,9 +33,11 @@ from __future__ import annotations
 import math
 
 from accel import checks
+from accel.costmodel.collectives import BUS_FACTORS
 from accel.costmodel.hardware import link_bandwidth, peak_flops
 
-__all__ = ["STAGES", "PRECISIONS", "ZERO_SOURCE", "BYTES_PER_PARAM", "shard_elements",
+__all__ = ["STAGES", "PRECISIONS", "ZERO_SOURCE", "BYTES_PER_PARAM", "ADAM_MIXED_BYTES_PER_PARAM",
+           "shard_elements",
            "zero_bytes_per_device", "zero_total_bytes", "zero_comm_bytes", "zero_formula",
            "OFFLOAD_SOURCE", "offload_step", "offload_break_even_tokens"]
 
@@ -48,6 +50,8 @@ BYTES_PER_PARAM: dict[str, dict[str, int]] = {
     "mixed": {"weights": 2, "grads": 2, "optimizer": 12},
     "fp32": {"weights": 4, "grads": 4, "optimizer": 8},
 }
+# 16: the bytes per parameter of mixed-precision Adam without sharding (section 3.1: 2 + 2 + 12)
+ADAM_MIXED_BYTES_PER_PARAM = sum(BYTES_PER_PARAM["mixed"].values())
 OFFLOAD_SOURCE = ("Ren et al., 'ZeRO-Offload: Democratizing Billion-Scale Model Training', "
                   "arXiv:2101.06840 (2021), section 4: fp16 gradients to the CPU, fp16 weights "
                   "back, the Adam update on the CPU")
@@ -98,8 +102,8 @@ def zero_comm_bytes(params: int, n: int, stage: int, precision: str = "mixed") -
     reduce-scattered). Gradients and gathered weights move at the weights' precision."""
     params, n = _check(params, n, stage, precision)
     nbytes = params * BYTES_PER_PARAM[precision]["weights"]
-    rounds = 3 if stage == 3 else 2
-    return rounds * (n - 1) / n * nbytes
+    gathers = 2 if stage == 3 else 1
+    return (BUS_FACTORS["reduce_scatter"](n) + gathers * BUS_FACTORS["all_gather"](n)) * nbytes
 
 
 def zero_formula(stage: int, precision: str = "mixed") -> str:

@@ -3,14 +3,20 @@
 import pytest
 
 from accel.costmodel import pipeline as cp
+from accel.costmodel import transformer as ct
 
 
 def test_transformer_figures_by_hand():
     # s=2048, b=1, h=4096, a=32: 2048*4096*(34 + 5*32*2048/4096) = 2048*4096*114 bytes
-    assert cp.transformer_layer_activation_bytes(2048, 1, 4096, 32) == 2048 * 4096 * 114
+    assert ct.layer_activation_bytes(batch=1, seq=2048, hidden=4096, heads=32) == \
+        2048 * 4096 * 114
     # 3 * 24 * 1 * 2048 * 4096^2 * (1 + 2048 / 24576)
-    assert cp.transformer_layer_train_flops(2048, 1, 4096) == pytest.approx(
+    assert ct.layer_flops(batch=1, seq=2048, hidden=4096) == pytest.approx(
         3 * 24 * 2048 * 4096**2 * (1 + 1 / 12))
+    # Megatron-LM v1 leaves the scores out: 3 * 24 * b s h^2; recomputation is a fourth pass
+    assert ct.layer_flops(1, 1, 10, attention_scores=False) == 7200
+    assert ct.layer_flops(2, 8, 16, passes=4) == pytest.approx(
+        4 / 3 * ct.layer_flops(2, 8, 16))
 
 
 def test_pipeline_step_by_hand():
@@ -37,7 +43,8 @@ def test_microbatches_and_stash():
     (lambda: cp.pipeline_step(-1, 2, 4), "stage_s must be a number >= 0, got -1"),
     (lambda: cp.microbatches_for_efficiency(4, 1.0), r"target must be in \(0, 1\), got 1.0"),
     (lambda: cp.stash_microbatches("zb", 4, 4), "schedule must be one of .* got 'zb'"),
-    (lambda: cp.transformer_layer_train_flops(0, 1, 8), "seq must be an int >= 1, got 0"),
+    (lambda: ct.layer_flops(1, 0, 8), "seq must be an int >= 1, got 0"),
+    (lambda: ct.layer_flops(1, 1, 8, passes=0), "passes must be an int >= 1, got 0"),
 ])
 def test_bad_input(call, message):
     with pytest.raises(ValueError, match=message):

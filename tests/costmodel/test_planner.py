@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from accel.costmodel import megatron_table as mt
-from accel.costmodel import pipeline as cp
 from accel.costmodel import planner as pl
 from accel.costmodel import plans
+from accel.costmodel.transformer import layer_activation_bytes
 
 A100 = pl.Cluster.dgx_a100(nodes=2)  # 16 GPUs
 GPT_7B = pl.Transformer(layers=36, hidden=4096, heads=32, seq=2048, vocab=51200)
@@ -55,7 +55,7 @@ def test_activations_by_hand():
     # the micro-batches 1F1B keeps: min(p, m) = 2 with p = 2 and m = 64 / (8 * 1) = 8
     plan = pl.Plan(data=8, tensor=1, pipeline=2, recompute=False)
     mem = pl.memory_per_device(GPT_7B, plan, 64)
-    per_layer = cp.transformer_layer_activation_bytes(2048, 1, 4096, 32)
+    per_layer = layer_activation_bytes(batch=1, seq=2048, hidden=4096, heads=32)
     assert mem.activations == pytest.approx(2 * 18 * per_layer)
     # with recomputation: 2 s b h bytes per layer and micro-batch, plus one layer's full set
     plan = pl.Plan(data=8, tensor=1, pipeline=2)
