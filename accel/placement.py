@@ -2,7 +2,9 @@
 
 - ``placement_of(fn, *args)`` / ``placement_of(fetches, session=sess)``: run something once and
   return the *actual* op -> device table (from the partition graphs TensorFlow executed, so the
-  ``_Send`` / ``_Recv`` pairs of every copy between devices are in it too).
+  ``_Send`` / ``_Recv`` pairs of every copy between devices are in it too), and every tensor
+  sent between devices as a ``Transfer`` (``sends_in``, the package's one reader of ``_Send``
+  nodes: ``accel.parallel.trace`` and ``accel.collectives.sent_bytes`` count from it).
 - ``session_config(...)``: a TF1 ``ConfigProto`` that sees the same devices as eager TensorFlow.
 - ``log_placement()``: capture TensorFlow's placement log (C-level output) as a table.
 - ``soft_placement(enabled)``: switch TF2 soft placement for a block, restored on exit.
@@ -29,8 +31,8 @@ from tensorflow.python.eager import context
 from accel.devices import parse_device
 
 __all__ = [
-    "OpPlacement", "Placement", "placement_of", "session_config", "log_placement",
-    "soft_placement", "by_op_type", "variables_on", "short_error", "short_device",
+    "OpPlacement", "Transfer", "sends_in", "Placement", "placement_of", "session_config",
+    "log_placement", "soft_placement", "by_op_type", "variables_on", "short_error", "short_device",
 ]
 
 
@@ -49,15 +51,80 @@ def short_device(full: str) -> str:
     return re.sub(r"^/job:localhost/replica:0/task:0", "", full) or full
 
 
+BACKWARD_MARKS = ("gradient", "backward")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One tensor sent between devices in one run (a ``_Send`` node of a partition graph)."""
+
+    tensor: str  # the producing op's output, e.g. 'part_0/Relu:0'
+    source: str
+    target: str
+    shape: tuple[int, ...] | None  # None where the static shape is not known
+    dtype: str
+    nbytes: int  # 0 where the shape is not known, and for control edges
+    control: bool = False  # only carries a control edge (an empty dummy tensor)
+    edge: str = ""  # TensorFlow's name for the send/receive pair, e.g. 'edge_8_x'
+
+    @property
+    def direction(self) -> str:
+        """'backward' for a tensor made by a gradient op (its name holds ``gradient`` or
+        ``backward``), else 'forward'."""
+        return "backward" if any(w in self.tensor for w in BACKWARD_MARKS) else "forward"
+
+
+def _graph_tensor(graph, name: str):
+    op_name, _, slot = name.partition(":")
+    try:
+        return graph.get_operation_by_name(op_name).outputs[int(slot or 0)]
+    except (KeyError, IndexError, ValueError):
+        return None
+
+
+def sends_in(graph_defs, graph=None) -> list[Transfer]:
+    """Every ``_Send`` node of the partition ``graph_defs`` that ran, as a ``Transfer``; shapes
+    (and so bytes) come from ``graph``, the graph that was traced, where given."""
+    out = []
+    for gd in graph_defs:
+        for node in gd.node:
+            if node.op != "_Send":
+                continue
+            source = short_device(node.attr["send_device"].s.decode())
+            target = short_device(node.attr["recv_device"].s.decode())
+            edge = node.attr["tensor_name"].s.decode()
+            name = node.input[0] if node.input else edge
+            if "/ctrl/" in name or name.startswith("^"):
+                out.append(Transfer(name.split("/ctrl/")[0].lstrip("^"), source, target, (),
+                                    "control", 0, control=True, edge=edge))
+                continue
+            t = _graph_tensor(graph, name) if graph is not None else None
+            dtype = tf.as_dtype(node.attr["T"].type)
+            shape = tuple(t.shape.as_list()) if t is not None and t.shape.is_fully_defined() \
+                else None
+            size = dtype.size
+            for dim in shape or ():
+                size *= dim
+            out.append(Transfer(name if ":" in name else name + ":0", source, target, shape,
+                                dtype.name, size if shape is not None else 0, edge=edge))
+    return out
+
+
 @dataclass
 class Placement:
-    """The op -> device table of one run. ``result`` holds what the run returned."""
+    """The op -> device table of one run. ``result`` holds what the run returned; ``sends`` the
+    tensors sent between devices (``Transfer``)."""
 
     rows: list[OpPlacement]
     result: object = None
-    transfers: list[tuple[str, str, str]] = field(default_factory=list)  # (tensor, from, to)
+    sends: list[Transfer] = field(default_factory=list)
     graphs: list = field(default_factory=list, repr=False)  # the partition GraphDefs that ran
-    traced: object = field(default=None, repr=False)  # TF2: the traced graph (tf.Graph) that ran
+    traced: object = field(default=None, repr=False)  # the traced graph (tf.Graph) that ran
+
+    @property
+    def transfers(self) -> list[tuple[str, str, str]]:
+        """``(edge, from, to)`` of every send between devices, control edges included."""
+        return [(t.edge, t.source, t.target) for t in self.sends]
 
     def __iter__(self) -> Iterator[OpPlacement]:
         return iter(self.rows)
@@ -102,7 +169,7 @@ class Placement:
     def without(self, *op_types: str) -> Placement:
         """A copy without ops of the given types (e.g. '_Arg', '_Retval', 'NoOp')."""
         return Placement([r for r in self.rows if r.op_type not in op_types], self.result,
-                         self.transfers, self.graphs, self.traced)
+                         self.sends, self.graphs, self.traced)
 
     def format(self, requested: bool = False) -> str:
         """Aligned text, sorted by device then op name."""
@@ -115,17 +182,11 @@ class Placement:
                          for line in [head, *body])
 
 
-def _from_graph_defs(graph_defs, requested: Mapping[str, str], result) -> Placement:
-    rows, transfers = [], []
-    for gd in graph_defs:
-        for node in gd.node:
-            rows.append(OpPlacement(node.name, node.op, short_device(node.device),
-                                    short_device(requested.get(node.name, ""))))
-            if node.op == "_Send":
-                transfers.append((node.attr["tensor_name"].s.decode(),
-                                  short_device(node.attr["send_device"].s.decode()),
-                                  short_device(node.attr["recv_device"].s.decode())))
-    return Placement(rows, result, transfers, list(graph_defs))
+def _from_graph_defs(graph_defs, requested: Mapping[str, str], result, graph) -> Placement:
+    rows = [OpPlacement(node.name, node.op, short_device(node.device),
+                        short_device(requested.get(node.name, "")))
+            for gd in graph_defs for node in gd.node]
+    return Placement(rows, result, sends_in(graph_defs, graph), list(graph_defs), graph)
 
 
 def placement_of(target, *args, session=None, feed_dict=None, **kwargs) -> Placement:
@@ -150,7 +211,7 @@ def placement_of(target, *args, session=None, feed_dict=None, **kwargs) -> Place
         meta = tf.compat.v1.RunMetadata()
         result = session.run(target, feed_dict=feed_dict, options=opts, run_metadata=meta)
         requested = {op.name: op.device for op in session.graph.get_operations()}
-        return _from_graph_defs(meta.partition_graphs, requested, result)
+        return _from_graph_defs(meta.partition_graphs, requested, result, session.graph)
     if not callable(target):
         raise ValueError(f"target must be a callable or tf.function (or pass session=), "
                          f"got {type(target).__name__}")
@@ -167,9 +228,7 @@ def placement_of(target, *args, session=None, feed_dict=None, **kwargs) -> Place
     finally:
         context.disable_run_metadata()
     graphs = [pg for fg in meta.function_graphs for pg in fg.partition_graphs]
-    ran = _from_graph_defs(graphs, requested, result)
-    ran.traced = concrete.graph
-    return ran
+    return _from_graph_defs(graphs, requested, result, concrete.graph)
 
 
 def session_config(**fields) -> tf.compat.v1.ConfigProto:

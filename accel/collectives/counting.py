@@ -3,13 +3,12 @@ counts them in the graph that ran, so the two can be checked against each other.
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 
 from accel.collectives.direct import check_algorithm
 from accel.collectives.ring import chunk_sizes, ring_sends
 from accel.collectives.tree import tree_children
-from accel.placement import placement_of, short_device
+from accel.placement import placement_of
 
 __all__ = ["check_sizes", "all_reduce_bytes", "all_reduce_bytes_per_device", "all_gather_bytes",
            "reduce_scatter_bytes",
@@ -88,7 +87,8 @@ def all_to_all_bytes(nbytes: int, n: int) -> int:
 
 def sent_bytes(fn, *args) -> dict[str, int]:
     """Run ``fn(*args)`` once (a ``tf.function`` or plain callable) and count, per sending
-    device, the bytes of the tensors its ``_Send`` nodes shipped to another device. Sizes come
+    device, the bytes of the tensors it shipped to another device (``accel.placement``'s
+    ``sends``: the ``_Send`` nodes of the graphs that ran). Sizes come
     from the traced graph's static shapes, so graph rewriting (grappler) is switched off for this
     one run: every send then maps back to a tensor of the traced graph. What ``fn`` returns is
     cut to empty slices on its own devices first, so handing results back ships no bytes (a
@@ -112,17 +112,10 @@ def sent_bytes(fn, *args) -> dict[str, int]:
         tf.config.optimizer.set_experimental_options(
             {"disable_meta_optimizer": previous.get("disable_meta_optimizer", False)})
     sent: dict[str, int] = {}
-    for gd in ran.graphs:
-        made_here = {n.name: n.op for n in gd.node}
-        for node in gd.node:
-            if node.op != "_Send" or made_here.get(node.input[0].split(":")[0]) == "Const" \
-                    and "/ctrl/" in node.input[0]:
-                continue  # a control edge crossing devices: an empty dummy tensor is sent
-            name = node.input[0] if ":" in node.input[0] else node.input[0] + ":0"
-            t = ran.traced.get_tensor_by_name(name)
-            if not t.shape.is_fully_defined():
-                raise ValueError(f"tensor {name} has no static shape ({t.shape}); cannot count")
-            size = int(np.prod(t.shape.as_list(), dtype=np.int64)) * t.dtype.size
-            src = short_device(node.attr["send_device"].s.decode())
-            sent[src] = sent.get(src, 0) + size
+    for t in ran.sends:
+        if t.control:
+            continue  # a control edge crossing devices: an empty dummy tensor is sent
+        if t.shape is None:
+            raise ValueError(f"tensor {t.tensor} has no static shape; cannot count")
+        sent[t.source] = sent.get(t.source, 0) + t.nbytes
     return sent

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from accel import models, placement, procs, timing, viz
+from accel import models, placement, procs, profile, timing, viz
 from accel.memory.estimate import estimate_training_memory
 from accel.parallel import model as mp
 from accel.parallel import trace
@@ -60,8 +60,8 @@ def naive_trace(device_names: Sequence[str], sizes: Sequence[int] = TRACE_SIZES,
         sess.run(g.init_op)
         for _ in range(warmup):
             sess.run(g.train_op, feed)
-        _, meta = trace.traced_run(sess, g.train_op, feed)
-    intervals = trace.busy_intervals(meta.step_stats, part.devices)
+        _, meta = profile.traced_run(sess, g.train_op, feed)
+    intervals = trace.busy_intervals(meta, part.devices)
     span = max(b for v in intervals.values() for _, b in v)
     return {"intervals": intervals, "idle": trace.idle_fractions(intervals), "span": span}
 
@@ -146,8 +146,8 @@ def rnn_overlap(device_names: Sequence[str], mode: str, warmup: int = 2) -> floa
     with tf.compat.v1.Session(graph=g, config=placement.session_config()) as sess:
         for _ in range(warmup):
             sess.run(out, feed)
-        _, meta = trace.traced_run(sess, out, feed)
-    iv = trace.busy_intervals(meta.step_stats, device_names[:2])
+        _, meta = profile.traced_run(sess, out, feed)
+    iv = trace.busy_intervals(meta, device_names[:2])
     span = max(b for v in iv.values() for _, b in v) - min(a for v in iv.values() for a, _ in v)
     return _both_busy(*iv.values()) / span
 

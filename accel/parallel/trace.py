@@ -8,9 +8,9 @@ between devices (with their bytes) and when each device was busy.
   name scope). Sends that only carry a
   control edge are listed with ``control=True`` and 0 bytes.
 * ``crossing_bytes(transfers)``: bytes per direction; ``format_transfers``: a printable table.
-* ``traced_run(session, fetches)``: a TF1 ``session.run`` with ``FULL_TRACE``; its
-  ``step_stats`` hold every op's start and end on every device. ``busy_intervals`` merges them
-  into busy time per device and ``idle_fractions`` says which share of the step each device
+* ``busy_intervals(run_metadata)``: the ops of a ``FULL_TRACE`` run (``accel.profile.traced_run``;
+  read by ``accel.profile.step_intervals``, the package's one reader of step stats) merged into
+  busy time per device, in seconds; ``idle_fractions`` says which share of the step each device
   waited. (``tf.timestamp()`` inside a ``tf.function`` would serialise the step it measures.)
 
 Between logical devices of one process a "transfer" shares the buffer instead of copying it, so
@@ -20,93 +20,20 @@ the bytes here are logical: what a real link between two GPUs would have to carr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import tensorflow as tf
-from tensorflow.python.eager import context
+from accel.placement import Transfer, placement_of
+from accel.profile import step_intervals
 
-from accel.placement import short_device
-
-__all__ = ["Transfer", "transfers_of", "crossing_bytes", "format_transfers", "traced_run",
-           "busy_intervals", "idle_fractions"]
-
-BACKWARD_MARKS = ("gradient", "backward")
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One tensor sent between devices in one run."""
-
-    tensor: str  # the producing op's output, e.g. 'part_0/Relu:0'
-    source: str
-    target: str
-    shape: tuple[int, ...] | None  # None where the static shape is not fully known
-    dtype: str
-    nbytes: int
-    control: bool = False
-
-    @property
-    def direction(self) -> str:
-        """'backward' for a tensor made by a gradient op (its name holds ``gradient`` or
-        ``backward``), else 'forward'."""
-        return "backward" if any(w in self.tensor for w in BACKWARD_MARKS) else "forward"
-
-
-def _tensor(graph: tf.Graph, name: str):
-    op_name, _, slot = name.partition(":")
-    try:
-        return graph.get_operation_by_name(op_name).outputs[int(slot or 0)]
-    except (KeyError, IndexError, ValueError):
-        return None
-
-
-def _collect(graph_defs, graph: tf.Graph) -> list[Transfer]:
-    out = []
-    for gd in graph_defs:
-        for node in gd.node:
-            if node.op != "_Send":
-                continue
-            source = short_device(node.attr["send_device"].s.decode())
-            target = short_device(node.attr["recv_device"].s.decode())
-            name = node.input[0] if node.input else node.attr["tensor_name"].s.decode()
-            if "/ctrl/" in name or name.startswith("^"):
-                out.append(Transfer(name.split("/ctrl/")[0].lstrip("^"), source, target, (),
-                                    "control", 0, control=True))
-                continue
-            t = _tensor(graph, name)
-            dtype = tf.as_dtype(node.attr["T"].type)
-            shape = tuple(t.shape.as_list()) if t is not None and t.shape.is_fully_defined() \
-                else None
-            size = dtype.size
-            for dim in shape or ():
-                size *= dim
-            out.append(Transfer(name if ":" in name else name + ":0", source, target, shape,
-                                dtype.name, size if shape is not None else 0))
-    return sorted(out, key=lambda t: (t.direction != "forward", t.source, t.tensor))
+__all__ = ["transfers_of", "crossing_bytes", "format_transfers", "busy_intervals",
+           "idle_fractions"]
 
 
 def transfers_of(target, *args, session=None, feed_dict=None) -> list[Transfer]:
     """Run ``target`` once (a ``tf.function`` / callable with ``*args``, or TF1 fetches with
-    ``session=``) and list the tensors it sent between devices."""
-    if session is not None:
-        opts = tf.compat.v1.RunOptions(output_partition_graphs=True)
-        meta = tf.compat.v1.RunMetadata()
-        session.run(target, feed_dict=feed_dict, options=opts, run_metadata=meta)
-        return _collect(meta.partition_graphs, session.graph)
-    if not callable(target):
-        raise ValueError(f"target must be a callable or tf.function (or pass session=), got "
-                         f"{type(target).__name__}")
-    fresh = target._clone(None) if hasattr(target, "_clone") else tf.function(target)  # noqa: SLF001
-    concrete = fresh.get_concrete_function(*args)
-    context.enable_run_metadata()
-    try:
-        context.export_run_metadata()
-        fresh(*args)
-        meta = context.export_run_metadata()
-    finally:
-        context.disable_run_metadata()
-    graphs = [pg for fg in meta.function_graphs for pg in fg.partition_graphs]
-    return _collect(graphs, concrete.graph)
+    ``session=``) and list the tensors it sent between devices, forward ones first
+    (``accel.placement.placement_of``'s ``sends``)."""
+    ran = placement_of(target, *args, session=session, feed_dict=feed_dict)
+    return sorted(ran.sends, key=lambda t: (t.direction != "forward", t.source, t.tensor))
 
 
 def crossing_bytes(transfers: Sequence[Transfer]) -> dict[str, int]:
@@ -130,14 +57,6 @@ def format_transfers(transfers: Sequence[Transfer], control: bool = False) -> st
                      for r in [head, *body])
 
 
-def traced_run(session, fetches, feed_dict=None):
-    """``session.run`` with ``FULL_TRACE``: returns ``(result, run_metadata)``."""
-    opts = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-    meta = tf.compat.v1.RunMetadata()
-    result = session.run(fetches, feed_dict=feed_dict, options=opts, run_metadata=meta)
-    return result, meta
-
-
 def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
     for start, end in sorted(spans):
@@ -148,25 +67,27 @@ def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def busy_intervals(step_stats, devices: Sequence[str] | None = None,
+def busy_intervals(run_metadata, devices: Sequence[str] | None = None,
                    skip_ops: Sequence[str] = ("_SOURCE", "_Send", "_Recv", "_Retval", "_Arg")
                    ) -> dict[str, list[tuple[float, float]]]:
-    """Busy time per device from a FULL_TRACE run's ``step_stats``: merged ``(start, end)``
-    intervals in seconds from the first op of the step. ``devices`` (any spelling) keeps only
-    those, in that order; ops named in ``skip_ops`` (bookkeeping) are not counted as work."""
+    """Busy time per device of a ``FULL_TRACE`` run (``accel.profile.traced_run``): merged
+    ``(start, end)`` intervals in seconds from the first op of the step. ``devices`` (any
+    spelling) keeps only those, in that order; ops whose name or type is in ``skip_ops``
+    (bookkeeping) are not counted as work."""
+    try:
+        ops = step_intervals(run_metadata, skip=())
+    except ValueError:
+        ops = []
     spans: dict[str, list[tuple[float, float]]] = {}
-    for dev in step_stats.dev_stats:
-        name = short_device(dev.device)
-        for node in dev.node_stats:
-            if node.node_name in skip_ops or node.node_name.split(":")[0] in skip_ops \
-                    or node.timeline_label.split(" = ")[-1].split("(")[0] in skip_ops:
-                continue
-            start = node.all_start_micros
-            spans.setdefault(name, []).append((start, start + max(node.all_end_rel_micros, 1)))
+    for op in ops:
+        if op.name in skip_ops or op.name.split(":")[0] in skip_ops or op.op_type in skip_ops:
+            continue
+        spans.setdefault(op.lane, []).append((op.start, max(op.end, op.start + 1e-3)))
     if not spans:
-        raise ValueError("step_stats hold no ops: run with FULL_TRACE (traced_run)")
+        raise ValueError("the run holds no step stats: run with FULL_TRACE "
+                         "(accel.profile.traced_run)")
     t0 = min(s for v in spans.values() for s, _ in v)
-    out = {d: [((a - t0) / 1e6, (b - t0) / 1e6) for a, b in _merge(v)] for d, v in spans.items()}
+    out = {d: [((a - t0) / 1e3, (b - t0) / 1e3) for a, b in _merge(v)] for d, v in spans.items()}
     if devices is None:
         return dict(sorted(out.items()))
     from accel.devices import normalize_device
