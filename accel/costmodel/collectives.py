@@ -41,7 +41,7 @@ from accel import checks
 __all__ = ["ALGORITHMS", "MEDIA", "terms", "allreduce_time", "crossover_bytes",
            "algorithm_bandwidth",
            "bus_bandwidth", "BUS_FACTORS", "ring_all_reduce_bytes", "sharded_ps_time",
-           "packed_time", "local_sgd_step_time", "overlapped_step_time", "SEED_2016"]
+           "packed_time", "local_sgd_step_time", "overlapped_step_time"]
 
 ALGORITHMS = ("one_device", "direct", "ring", "tree")
 MEDIA = ("links", "shared")
@@ -61,19 +61,6 @@ def ring_all_reduce_bytes(nbytes: float, n: int) -> float:
     (``BUS_FACTORS["all_reduce"]``)."""
     n = checks.positive_int("n", n)
     return BUS_FACTORS["all_reduce"](n) * checks.non_negative_number("nbytes", nbytes)
-
-# Seed 002's figures (notes on A. Geron, "Hands-On Machine Learning with Scikit-Learn and
-# TensorFlow", 1st ed., 2017, ch. 12, reporting Google's 2016 experience): with the hardware
-# and networks of 2016, data parallelism saturated the bandwidth beyond a few dozen GPUs for
-# dense models and a few hundred for sparse ones; models that still scaled:
-SEED_2016 = {
-    "saturates (dense)": "beyond a few dozen GPUs",
-    "saturates (sparse)": "beyond a few hundred GPUs",
-    "neural machine translation": (8, 6.0),    # GPUs, speed-up
-    "Inception / ImageNet": (50, 32.0),
-    "RankBrain": (500, 300.0),
-}
-
 
 def _check_n(n: int) -> int:
     return checks.positive_int("n", n)

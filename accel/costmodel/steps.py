@@ -16,13 +16,9 @@ __all__ = ["training_flops", "days_to_train", "transfer_time", "SCHEMES",
 SCHEMES = ("ring", "one_device", "host")
 
 
-def training_flops(forward_gflops: float = 11.4, examples: int = 1_281_167,
-                   epochs: int = 100) -> float:
-    """FLOPs of a training run: forward + backward ~= 3x forward, per example, per epoch.
-
-    Defaults: Inception-v3 (~5.7 G multiply-adds per 299x299 image forward, i.e. ~11.4 GFLOP at
-    2 FLOPs per multiply-add), ImageNet-1k's 1,281,167 training images, 100 epochs.
-    """
+def training_flops(forward_gflops: float, examples: int, epochs: int) -> float:
+    """FLOPs of a training run: forward + backward ~= 3x forward, per example, per epoch
+    (chapter 01's Inception-v3 on ImageNet: ``accel.course.training_cost.INCEPTION_V3``)."""
     checks.positive_number("forward_gflops", forward_gflops)
     checks.positive_int("examples", examples)
     checks.positive_int("epochs", epochs)

@@ -2,7 +2,7 @@
 
 Each ``check_*`` takes the reader's answer (``None`` until they answer) and returns one line
 saying "not answered yet", "correct" or what is still wrong; the solutions live in
-``tests/course/test_basics.py``. Exercise 3 of chapter 01 is ``accel.course.scale``.
+``tests/course/test_basics.py``. Exercise 3 of chapter 01 is ``accel.course.training_cost``.
 """
 
 from __future__ import annotations

@@ -59,7 +59,19 @@ from accel.procs import report_and_linger, run_python, start_python, wait_for_re
 __all__ = ["TF_IMPLEMENTATIONS", "tf_strategy", "tf_all_reduce", "placed", "inprocess_times",
            "bytes_table", "LINK_CASES", "figure_alpha_beta", "check_exercise", "KIB", "MIB",
            "SIZES", "CHAIN", "worker", "client", "tf_ring_sweep", "hand_sweep", "sweep",
-           "process_lines", "crossover_lines", "figure_loopback", "main"]
+           "process_lines", "crossover_lines", "figure_loopback", "main", "SEED_2016"]
+
+# Seed 002's figures (notes on A. Geron, "Hands-On Machine Learning with Scikit-Learn and
+# TensorFlow", 1st ed., 2017, ch. 12, reporting Google's 2016 experience): with the hardware
+# and networks of 2016, data parallelism saturated the bandwidth beyond a few dozen GPUs for
+# dense models and a few hundred for sparse ones; models that still scaled:
+SEED_2016 = {
+    "saturates (dense)": "beyond a few dozen GPUs",
+    "saturates (sparse)": "beyond a few hundred GPUs",
+    "neural machine translation": (8, 6.0),    # GPUs, speed-up
+    "Inception / ImageNet": (50, 32.0),
+    "RankBrain": (500, 300.0),
+}
 
 
 TF_IMPLEMENTATIONS = ("ReductionToOneDevice", "HierarchicalCopyAllReduce", "collective")

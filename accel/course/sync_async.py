@@ -4,9 +4,11 @@ throughput ratios beat the ideal ones, the measured figures and the exercise che
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import tensorflow as tf
 
 from accel import checks, data, devices, models, viz
 from accel.parallel import parameter_server as ps
@@ -14,7 +16,7 @@ from accel.parallel.staleness import TrainResult, staleness_histogram
 from accel.training import squared_error
 
 __all__ = ["toy_problem", "bench_sync_async", "cycle_times", "explain_ratios", "figure_race",
-           "figure_staleness", "check_exercise"]
+           "figure_staleness", "check_exercise", "RACE_METHODS", "race_increments"]
 
 
 def toy_problem(n: int = 768, features: int = 8, hidden: int = 16, seed: int = 0) -> dict:
@@ -166,3 +168,47 @@ def check_exercise(number: int, answer, device_names: Sequence[str] | None = Non
     else:
         ok = isinstance(answer, int | float) and abs(answer - 1 / 8) < 0.01
     return f"exercise {number}: " + ("correct" if ok else "not quite, try again")
+
+
+RACE_METHODS = ("read_then_assign", "apply", "apply_locked")
+
+
+def race_increments(device: str, method: str = "apply", threads: int = 3, repeats: int = 100,
+                    size: int = 1 << 16) -> dict[str, float]:
+    """``threads`` threads each add 1 to every element of one shared float32 vector of ``size``
+    elements on ``device``, ``repeats`` times, without any Python lock. ``method``:
+    ``read_then_assign`` reads the vector, adds 1 and assigns the result (two ops: another
+    thread's addition between them is overwritten); ``apply`` uses one
+    ``ResourceApplyGradientDescent`` with ``use_locking=False`` (TensorFlow's default: the
+    variable's lock is shared, concurrent updates may interleave; TensorFlow calls the result
+    undefined); ``apply_locked`` the same op with ``use_locking=True`` (exclusive lock). Returns
+    ``expected`` (each element's value if no addition was lost), ``lowest`` (the smallest
+    element) and ``lost`` (missing additions, averaged over the elements)."""
+    checks.one_of("method", method, RACE_METHODS)
+    checks.positive_int("threads", threads)
+    checks.positive_int("repeats", repeats)
+    checks.positive_int("size", size)
+    with tf.device(device):
+        var = tf.Variable(tf.zeros(size))
+        minus_one, one = tf.fill([size], -1.0), tf.constant(1.0)
+
+    def work():
+        for _ in range(repeats):
+            if method == "read_then_assign":
+                var.assign(var.read_value() + one)
+            else:
+                tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=one,
+                                                        delta=minus_one,
+                                                        use_locking=method == "apply_locked")
+
+    pool = [threading.Thread(target=work, name=f"race-{j}", daemon=True) for j in range(threads)]
+    try:
+        for t in pool:
+            t.start()
+    finally:
+        for t in pool:
+            t.join()
+    values = var.numpy().astype(np.float64)
+    expected = threads * repeats
+    return {"expected": expected, "lowest": float(values.min()),
+            "lost": float(expected - values.mean())}

@@ -9,9 +9,7 @@ TensorFlow's default), while other workers read and write the same variables. A 
 some variables before and others after another worker's update, and two updates may interleave.
 A small bookkeeping lock guards only Python counters and records, never a TensorFlow op.
 
-``race_increments`` counts lost updates directly: threads adding 1 to one shared vector, with a
-read-then-assign (two ops) or with one update op, locked or not; every missing unit of the total
-is an addition that was lost.
+Chapter 06 counts the lost updates directly (``accel.course.sync_async.race_increments``).
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import tensorflow as tf
 from accel import checks
 from accel.parallel.staleness import UpdateRecord
 
-__all__ = ["pad_step", "run_workers", "run_lock_free", "RACE_METHODS", "race_increments"]
+__all__ = ["pad_step", "run_workers", "run_lock_free"]
 
 
 def pad_step(start: float, step_time: float, factor: float) -> None:
@@ -146,47 +144,3 @@ def run_lock_free(variables: Sequence[tf.Variable], update: Callable, grad_fns: 
             "read_spans": [shared.read_spans[j] for j in order],
             "curve": shared.curve, "curve_time": shared.curve_time,
             "wall_time": shared.last_update if shared.last_update is not None else shared.now()}
-
-
-RACE_METHODS = ("read_then_assign", "apply", "apply_locked")
-
-
-def race_increments(device: str, method: str = "apply", threads: int = 3, repeats: int = 100,
-                    size: int = 1 << 16) -> dict[str, float]:
-    """``threads`` threads each add 1 to every element of one shared float32 vector of ``size``
-    elements on ``device``, ``repeats`` times, without any Python lock. ``method``:
-    ``read_then_assign`` reads the vector, adds 1 and assigns the result (two ops: another
-    thread's addition between them is overwritten); ``apply`` uses one
-    ``ResourceApplyGradientDescent`` with ``use_locking=False`` (TensorFlow's default: the
-    variable's lock is shared, concurrent updates may interleave; TensorFlow calls the result
-    undefined); ``apply_locked`` the same op with ``use_locking=True`` (exclusive lock). Returns
-    ``expected`` (each element's value if no addition was lost), ``lowest`` (the smallest
-    element) and ``lost`` (missing additions, averaged over the elements)."""
-    checks.one_of("method", method, RACE_METHODS)
-    checks.positive_int("threads", threads)
-    checks.positive_int("repeats", repeats)
-    checks.positive_int("size", size)
-    with tf.device(device):
-        var = tf.Variable(tf.zeros(size))
-        minus_one, one = tf.fill([size], -1.0), tf.constant(1.0)
-
-    def work():
-        for _ in range(repeats):
-            if method == "read_then_assign":
-                var.assign(var.read_value() + one)
-            else:
-                tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=one,
-                                                        delta=minus_one,
-                                                        use_locking=method == "apply_locked")
-
-    pool = [threading.Thread(target=work, name=f"race-{j}", daemon=True) for j in range(threads)]
-    try:
-        for t in pool:
-            t.start()
-    finally:
-        for t in pool:
-            t.join()
-    values = var.numpy().astype(np.float64)
-    expected = threads * repeats
-    return {"expected": expected, "lowest": float(values.min()),
-            "lost": float(expected - values.mean())}

@@ -4,13 +4,13 @@ stored notebook holds, "correct" for the solution written here, and not correct 
 import tensorflow as tf
 
 from accel import placement
-from accel.course import basics, scale
+from accel.course import basics, training_cost
 
 
 def test_placeholders_are_not_answered_yet(four_devices):
     assert basics.check_full_name(None) == "exercise 1: not answered yet"
     assert basics.check_merge(None) == "exercise 2: not answered yet"
-    assert scale.check_hours_exercise(None) == "exercise 3: not answered yet"
+    assert training_cost.check_hours_exercise(None) == "exercise 3: not answered yet"
     assert basics.check_mul_router(None) == "exercise 2: not answered yet"
     assert basics.check_add_on_cpu1(None) == "exercise 3: not answered yet"
     assert basics.check_cpu_only_dtype(None) == "exercise 1: not answered yet"
@@ -30,9 +30,9 @@ def test_chapter_01_solutions():
     # 3 x 11.4e9 x 1,281,167 x 100 FLOPs at 0.4 x 989.4 TFLOP/s: 3.08 h on one H100, so 4
     hours = 3 * 11.4e9 * 1_281_167 * 100 / (0.4 * 989.4e12) / 3600
     assert 3 < hours < 4
-    assert scale.check_hours_exercise(4) == "exercise 3: correct"
-    assert "not quite" in scale.check_hours_exercise(3)
-    assert "not quite" in scale.check_hours_exercise(5)
+    assert training_cost.check_hours_exercise(4) == "exercise 3: correct"
+    assert "not quite" in training_cost.check_hours_exercise(3)
+    assert "not quite" in training_cost.check_hours_exercise(5)
 
 
 def test_chapter_02_solutions(four_devices):
@@ -92,3 +92,12 @@ def test_chapter_03_solutions(four_devices):
     assert basics.check_runs_on_cpu(cpu_version, *args).startswith("exercise 2: correct")
     assert basics.check_strict_error("InvalidArgumentError", "call") == "exercise 3: correct"
     assert "not quite" in basics.check_strict_error("InvalidArgumentError", "trace")
+
+
+def test_inception_run_is_the_chapters_arithmetic():
+    """5.7 G multiply-adds per image forward, 2 FLOPs each, x3 with backward, 1,281,167
+    images, 100 epochs."""
+    from accel.costmodel import steps
+
+    work = steps.training_flops(**training_cost.INCEPTION_V3)
+    assert abs(work - 3 * 2 * 5.7e9 * 1_281_167 * 100) < 1e-9 * work

@@ -67,3 +67,23 @@ def test_figures_build(four_devices):
     fig = sync_async.figure_race({"a": run, "b": run})
     assert [len(ax.lines) for ax in fig.axes] == [2, 2]
     plt.close(fig)
+
+
+def test_locked_increments_lose_nothing(four_devices):
+    """With use_locking=True every one of threads x repeats additions survives (hand count)."""
+    race = sync_async.race_increments(four_devices[0], "apply_locked", threads=3, repeats=20,
+                                   size=1 << 12)
+    assert race == {"expected": 60, "lowest": 60.0, "lost": 0.0}
+
+
+@pytest.mark.parametrize("method", ["apply", "read_then_assign"])
+def test_unlocked_increments_lose_at_most_what_was_sent(four_devices, method):
+    race = sync_async.race_increments(four_devices[0], method, threads=3, repeats=20, size=1 << 12)
+    assert race["expected"] == 60 and 0 <= race["lost"] < 60
+    assert 1 <= race["lowest"] <= 60
+
+
+def test_one_thread_never_loses_an_increment(four_devices):
+    race = sync_async.race_increments(four_devices[0], "read_then_assign", threads=1, repeats=7,
+                                   size=16)
+    assert race == {"expected": 7, "lowest": 7.0, "lost": 0.0}

@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 from accel import models
-from accel.parallel import hogwild, staleness
 from accel.parallel import parameter_server as ps
+from accel.parallel import staleness
 from accel.training import squared_error
 
 LR = 0.05
@@ -67,26 +67,6 @@ def test_lock_free_refuses_a_keras_optimizer(problem, four_devices):
     with pytest.raises(ValueError, match="optimizer must be a learning rate, got SGD"):
         ps.train_hogwild(**problem, workers=four_devices[1:], ps_device=four_devices[0],
                          steps=3, batch_size=BATCH, optimizer=tf.keras.optimizers.SGD(LR))
-
-
-def test_locked_increments_lose_nothing(four_devices):
-    """With use_locking=True every one of threads x repeats additions survives (hand count)."""
-    race = hogwild.race_increments(four_devices[0], "apply_locked", threads=3, repeats=20,
-                                   size=1 << 12)
-    assert race == {"expected": 60, "lowest": 60.0, "lost": 0.0}
-
-
-@pytest.mark.parametrize("method", ["apply", "read_then_assign"])
-def test_unlocked_increments_lose_at_most_what_was_sent(four_devices, method):
-    race = hogwild.race_increments(four_devices[0], method, threads=3, repeats=20, size=1 << 12)
-    assert race["expected"] == 60 and 0 <= race["lost"] < 60
-    assert 1 <= race["lowest"] <= 60
-
-
-def test_one_thread_never_loses_an_increment(four_devices):
-    race = hogwild.race_increments(four_devices[0], "read_then_assign", threads=1, repeats=7,
-                                   size=16)
-    assert race == {"expected": 7, "lowest": 7.0, "lost": 0.0}
 
 
 @pytest.mark.parametrize("mode", ["async", "hogwild", "sync"])
