@@ -14,7 +14,12 @@ from accel.costmodel.hardware import PEAK_TFLOPS
 from accel.costmodel.steps import days_to_train, training_flops
 from accel.timing import measure_matmul_tflops
 
-__all__ = ["GpuRow", "gpu_rows", "format_gpu_rows", "figure_scale", "check_hours_exercise"]
+__all__ = ["INCEPTION_V3", "GpuRow", "gpu_rows", "format_gpu_rows", "figure_scale",
+           "check_hours_exercise"]
+
+# The run chapter 01 costs: Inception-v3 (~5.7 G multiply-adds per 299x299 image forward, i.e.
+# ~11.4 GFLOP at 2 FLOPs per multiply-add) on ImageNet-1k's 1,281,167 training images, 100 epochs
+INCEPTION_V3 = {"forward_gflops": 11.4, "examples": 1_281_167, "epochs": 100}
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ class GpuRow:
 
 def gpu_rows(work: float | None = None, utilization: float = 0.4) -> list[GpuRow]:
     """Every GPU of ``hardware.PEAK_TFLOPS`` with its peaks and the days ``work`` takes."""
-    work = training_flops() if work is None else work
+    work = training_flops(**INCEPTION_V3) if work is None else work
     rows = []
     for name, peaks in PEAK_TFLOPS.items():
         unit = "tf32" if "tf32" in peaks else "fp32"
@@ -77,7 +82,7 @@ def figure_scale(measured_tflops: float | None = None, utilization: float = 0.4)
     plain FP32 and the tensor-core unit a mixed-precision run uses)."""
     import matplotlib.pyplot as plt
 
-    work = training_flops()
+    work = training_flops(**INCEPTION_V3)
     cpu = measured_tflops or measure_matmul_tflops()
     bars = [("this CPU (measured)", days_to_train(work, cpu), "#8C8C8C")]
     for r in gpu_rows(work, utilization):
