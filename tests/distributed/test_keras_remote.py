@@ -1,0 +1,114 @@
+"""accel.distributed.keras_remote: the Keras forms (pipeline GPipe and 1F1B, tensor parallel,
+model parallel, data parallel) run unchanged on devices of two worker tasks of a real cluster,
+from a separate client process that connects to it; each equals Keras training the same model
+on one device in this process (eager ``fit``, same optimizer class, same data, float64, rtol
+1e-5), and the variables, slots and ops sit on the worker tasks the run named."""
+
+import keras
+import numpy as np
+import pytest
+
+from accel.distributed import cluster as C
+from accel.distributed import keras_remote as KR
+from accel.parallel.pipeline import device_orders, make_schedule
+
+BATCH, STEPS, RTOL = 16, 3, 1e-5
+W0, W1 = "/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"
+OPTIMIZERS = {"adam": lambda: keras.optimizers.Adam(0.01),
+              "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True)}
+# (run, optimizer): one client process trains them all, one after the other
+RUNS = [({"form": "pipeline", "devices": [W0, W1], "schedule": "1f1b", "num_microbatches": 2},
+         "adam"),
+        ({"form": "pipeline", "devices": [W0, W1], "schedule": "gpipe", "num_microbatches": 2},
+         "sgd_momentum"),
+        ({"form": "tensor", "devices": [W0, W1],
+          "rules": {"l0|l2": "column", "l1|l3": "row"}}, "adam"),
+        ({"form": "model", "devices": [W0, W1]}, "adam"),
+        ({"form": "data", "devices": [W0, W1]}, "sgd_momentum")]
+
+
+def mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((6,), dtype="float64")] + [
+        keras.layers.Dense(n, activation=a, dtype="float64", name=f"l{i}")
+        for i, (n, a) in enumerate([(16, "relu"), (16, "tanh"), (12, "relu"), (3, None)])])
+
+
+def keras_on_one_device(model, optimizer, x, y):
+    """Keras's own fit, eager, on this process's one device, in order."""
+    ref = keras.models.clone_model(model)
+    ref.set_weights(model.get_weights())
+    ref.compile(optimizer=optimizer, loss="mse", run_eagerly=True)
+    history = ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return ref.get_weights(), history.history["loss"]
+
+
+def task_of(device: str) -> str:
+    return device.split("/replica:")[0] + "/task:" + device.split("/task:")[1].split("/")[0]
+
+
+def test_keras_forms_on_two_worker_tasks_equal_keras_on_one_device(cluster):
+    model = mlp()
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(BATCH * STEPS, 6)), rng.normal(size=(BATCH * STEPS, 3))
+    before = [w.copy() for w in model.get_weights()]
+    runs = [{**run, "optimizer": OPTIMIZERS[opt]()} for run, opt in RUNS]
+    results = KR.fit_on_cluster(cluster, model, x, y, runs, loss="mse",
+                                optimizer="adam", batch_size=BATCH)
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)  # the caller's model is not touched
+    workers = {"/job:worker/task:0", "/job:worker/task:1"}
+    for (run, opt), res in zip(RUNS, results, strict=True):
+        what = f"{run['form']} {run.get('schedule', '')} {opt}"
+        ref_weights, ref_loss = keras_on_one_device(model, OPTIMIZERS[opt](), x, y)
+        np.testing.assert_allclose(res.losses, ref_loss, rtol=RTOL, err_msg=what)
+        scale = max(np.abs(w).max() for w in ref_weights)
+        for i, (a, b) in enumerate(zip(res.weights, ref_weights, strict=True)):
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=RTOL * scale,
+                                       err_msg=f"{what}: weight {i}")
+        # every working variable and every optimizer slot with a shape lives on a worker task
+        # (data parallel: on its variable device, worker 0; its towers run on both)
+        held = {"/job:worker/task:0"} if run["form"] == "data" else workers
+        var_tasks = [task_of(d) for _, d in res.variables]
+        assert set(var_tasks) == held, (what, res.variables)
+        slot_tasks = {task_of(d) for p, d in res.slots if not p.endswith(("iteration",
+                                                                          "learning_rate"))}
+        assert slot_tasks == held, (what, res.slots)
+        if run["form"] in ("pipeline", "model"):  # layers l0, l1 on worker 0; l2, l3 on worker 1
+            assert var_tasks == ["/job:worker/task:0"] * 4 + ["/job:worker/task:1"] * 4, what
+        if run["form"] == "tensor":  # shard i of each split kernel on worker i
+            for path, device in res.variables:
+                if path.rsplit("/", 1)[-1].startswith("kernel_"):
+                    assert task_of(device) == f"/job:worker/task:{path[-1]}", (path, device)
+        if run["form"] == "pipeline":  # each worker ran its stage's tasks in the schedule's order
+            expected = device_orders(make_schedule(run["schedule"], 2, 2), 2)
+            assert res.device_orders == expected, what
+            assert {t[0] for t in res.device_orders[0]} == {0}
+        else:  # the placed graphs of the form's steps: matrix products on both worker tasks
+            matmul_tasks = {task_of(d) for d, ops in res.op_devices.items() if "MatMul" in ops}
+            assert workers <= matmul_tasks, (what, res.op_devices)
+    assert results[0].device_orders != results[1].device_orders  # 1F1B is not GPipe
+
+
+def test_a_device_of_a_task_the_cluster_lacks_is_refused_naming_the_tasks():
+    spec = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}
+    assert KR.check_cluster_devices([W1, "/cpu:0"], spec) == [
+        "/job:worker/task:1/device:CPU:0", "/device:CPU:0"]
+    assert KR.worker_devices(spec) == [W0, W1]
+    tasks = r"\['/job:ps/task:0', '/job:worker/task:0', '/job:worker/task:1'\]"
+    for bad in ("/job:worker/task:2/device:CPU:0", "/job:chief/task:0/device:CPU:0"):
+        with pytest.raises(ValueError, match=rf"{bad}.*its tasks: {tasks}"):
+            KR.check_cluster_devices([W0, bad], spec)
+        with pytest.raises(ValueError, match=bad):
+            KR.fit_on_cluster(spec, mlp(), np.zeros((4, 6)), np.zeros((4, 3)),
+                              [{"form": "pipeline", "devices": [W0, bad],
+                                "num_microbatches": 2}], loss="mse", optimizer="adam",
+                              batch_size=4)
+
+
+def test_a_cluster_nobody_serves_is_a_connection_error_naming_the_address():
+    spec = C.make_cluster(ps=0, workers=2)  # free ports: nothing listens there
+    with pytest.raises(ConnectionError, match=f"worker:1 at {spec['worker'][1]}"):
+        KR.fit_on_cluster(spec, mlp(), np.zeros((4, 6)), np.zeros((4, 3)),
+                          [{"form": "data", "devices": KR.worker_devices(spec)}], loss="mse",
+                          optimizer="adam", batch_size=4, connect_timeout=1.0)
