@@ -9,7 +9,7 @@ plumbing     accel.checks (all)                argument checks: ValueError namin
                                                starts from a template that imported TF
              accel.timing (all)                medians, ratio tables, matmul speed, the ceiling
                                                (1-thread / 2-thread matmul time) of a run
-             accel.data (all)                  synthetic, learnable data sets
+             accel.datasets (all)              synthetic, learnable data sets
              accel.models (all)                a tiny MLP as plain variables and as a Keras model
              accel.training (all)              per-example losses, learning rate or optimizer
              accel.viz (all)                   generic plots: bars, curves, timelines

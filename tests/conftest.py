@@ -24,10 +24,10 @@ def four_devices() -> list[str]:
 def toy_problem(n: int = 96, features: int = 4, hidden: int = 8, seed: int = 0) -> dict:
     """A small learnable regression task and MLP as ``parameter_server.train`` arguments:
     ``model_fn``, ``loss_fn``, ``params`` (NumPy), ``x``, ``y``."""
-    from accel import data, models
+    from accel import datasets, models
     from accel.training import squared_error
 
-    x, y, _ = data.regression(n=n, features=features, seed=seed)
+    x, y, _ = datasets.regression(n=n, features=features, seed=seed)
     return {"model_fn": models.mlp_apply, "loss_fn": squared_error,
             "params": models.mlp_init([features, hidden, 1], seed=seed), "x": x, "y": y}
 

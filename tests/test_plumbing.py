@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accel import checks, data, models, procs, timing, training, viz
+from accel import checks, datasets, models, procs, timing, training, viz
 
 matplotlib.use("Agg")
 
@@ -57,8 +57,8 @@ def test_ceiling_is_measured_here_and_the_command_refuses_a_busy_verdict():
 
 
 def test_regression_is_reproducible_and_learnable():
-    x, y, w = data.regression(n=256, features=4, noise=0.0, seed=1)
-    x2, _, _ = data.regression(n=256, features=4, noise=0.0, seed=1)
+    x, y, w = datasets.regression(n=256, features=4, noise=0.0, seed=1)
+    x2, _, _ = datasets.regression(n=256, features=4, noise=0.0, seed=1)
     assert x.dtype == np.float32 and x.shape == (256, 4) and y.shape == (256, 1)
     np.testing.assert_array_equal(x, x2)
     w_fit = np.linalg.lstsq(x, y, rcond=None)[0]
@@ -66,12 +66,12 @@ def test_regression_is_reproducible_and_learnable():
 
 
 def test_classification_shapes_and_errors():
-    x, labels = data.classification(n=100, features=3, classes=5)
+    x, labels = datasets.classification(n=100, features=3, classes=5)
     assert x.shape == (100, 3) and labels.dtype == np.int32 and set(labels) <= set(range(5))
     with pytest.raises(ValueError, match="classes must be >= 2"):
-        data.classification(classes=1)
+        datasets.classification(classes=1)
     with pytest.raises(ValueError, match="n and features"):
-        data.regression(n=0)
+        datasets.regression(n=0)
 
 
 def test_mlp_and_keras_mlp_agree_forward_and_gradient():

@@ -20,7 +20,7 @@ ROOT = Path(accel.__file__).parent
 # layer of each module, by the longest matching prefix; a module may import only from a layer
 # at or below its own (plumbing is 0)
 LAYERS = {
-    "accel": 0, "accel.checks": 0, "accel.procs": 0, "accel.timing": 0, "accel.data": 0,
+    "accel": 0, "accel.checks": 0, "accel.procs": 0, "accel.timing": 0, "accel.datasets": 0,
     "accel.models": 0, "accel.training": 0, "accel.viz": 0,
     "accel.costmodel": 1,
     "accel.devices": 2, "accel.kernels": 2, "accel.placement": 2,

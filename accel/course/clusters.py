@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from accel import data, models
+from accel import datasets, models
 from accel.distributed import replication as rep
 from accel.distributed.cluster import LocalCluster
 
@@ -21,7 +21,7 @@ def problem(steps: int = 6, global_batch: int = 32, sizes: tuple = (8, 16, 1),
             lr: float = 0.05, seed: int = 0) -> dict:
     """``{"init", "batches", "lr", "reference"}``: the MLP's starting weights, one global batch
     per step, the learning rate, and one device's SGD result on those batches."""
-    x, y, _ = data.regression(256, sizes[0], sizes[-1], seed=seed)
+    x, y, _ = datasets.regression(256, sizes[0], sizes[-1], seed=seed)
     init = models.mlp_init(list(sizes), seed=seed)
     batches = rep.global_batches(x, y, global_batch, steps)
     return {"init": init, "batches": batches, "lr": lr,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from accel import checks, data, models
+from accel import checks, datasets, models
 from accel.timing import format_ratios
 from accel.training import squared_error
 
@@ -85,7 +85,7 @@ def measure_input(device: str, batch_size: int = 256, steps: int = 12, delay_s: 
     """Seconds per step on ``device``: ``compute`` (training on batches already in memory),
     ``input`` (iterating the plain map pipeline, no training) and each of ``VARIANTS`` feeding
     the same training step. Returns ``{"seconds": {...}, "verdict": ...}``."""
-    x, y, _ = data.regression(batch_size * steps, sizes[0], sizes[-1], seed=0)
+    x, y, _ = datasets.regression(batch_size * steps, sizes[0], sizes[-1], seed=0)
     with tf.device(device):
         model = models.keras_mlp(list(sizes))
     optimizer = tf.keras.optimizers.SGD(0.001)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from accel import checks, data, devices, models, viz
+from accel import checks, datasets, devices, models, viz
 from accel.parallel import parameter_server as ps
 from accel.parallel.staleness import TrainResult, staleness_histogram
 from accel.training import squared_error
@@ -22,7 +22,7 @@ __all__ = ["toy_problem", "bench_sync_async", "cycle_times", "explain_ratios", "
 def toy_problem(n: int = 768, features: int = 8, hidden: int = 16, seed: int = 0) -> dict:
     """A small learnable regression task and MLP, as keyword arguments for ``train``:
     ``model_fn``, ``loss_fn``, ``params`` (NumPy), ``x``, ``y``."""
-    x, y, _ = data.regression(n=n, features=features, seed=seed)
+    x, y, _ = datasets.regression(n=n, features=features, seed=seed)
     return {"model_fn": models.mlp_apply, "loss_fn": squared_error,
             "params": models.mlp_init([features, hidden, 1], seed=seed), "x": x, "y": y}
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from accel import collectives, data, timing
+from accel import collectives, datasets, timing
 from accel.course.collectives import tf_strategy
 
 __all__ = ["packing_times", "tf_packing", "fp16_training", "local_sgd_runs"]
@@ -115,7 +115,7 @@ def local_sgd_runs(device_names: Sequence[str], everys: Sequence[int] = (1, 2, 4
 
     devs = list(device_names)
     n, b = len(devs), 16
-    x, y, _ = data.regression(n * b * steps, 8, 4, seed=seed)
+    x, y, _ = datasets.regression(n * b * steps, 8, 4, seed=seed)
     shards = [[(x[(n * t + i) * b:(n * t + i + 1) * b], y[(n * t + i) * b:(n * t + i + 1) * b])
                for t in range(steps)] for i in range(n)]
     params = [np.zeros((8, 4), np.float32), np.zeros(4, np.float32)]

@@ -4,7 +4,7 @@ tf.data options do, counted (no timing thresholds)."""
 import numpy as np
 import pytest
 
-from accel import data
+from accel import datasets
 from accel.course import input_pipeline as ip
 
 
@@ -27,7 +27,7 @@ def test_verdict_rejects_negative_times():
     (False, False, False, 3 * 4), (True, False, True, 4), (False, True, True, 3 * 4),
     (True, True, False, 4)])
 def test_map_calls_and_order(cache, parallel, prefetch, expected_calls):
-    x, y, _ = data.regression(256, 8, seed=0)
+    x, y, _ = datasets.regression(256, 8, seed=0)
     calls = []
     ds = ip.slow_batches(x, y, 64, 0.0, parallel=parallel, prefetch=prefetch, cache=cache,
                          calls=calls)
@@ -38,7 +38,7 @@ def test_map_calls_and_order(cache, parallel, prefetch, expected_calls):
 
 
 def test_slow_batches_rejects_bad_arguments():
-    x, y, _ = data.regression(64, 8, seed=0)
+    x, y, _ = datasets.regression(64, 8, seed=0)
     with pytest.raises(ValueError, match="delay_s must be"):
         ip.slow_batches(x, y, 16, -0.1)
     with pytest.raises(ValueError, match="parallel_calls must be"):

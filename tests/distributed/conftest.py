@@ -7,7 +7,7 @@ equal)."""
 
 import pytest
 
-from accel import data, models
+from accel import datasets, models
 from accel.distributed import cluster as C
 from accel.distributed import replication as R
 
@@ -23,7 +23,7 @@ LR, STEPS = 0.05, 6
 
 @pytest.fixture(scope="module")
 def problem():
-    x, y, _ = data.regression(256, 8, 1, seed=0)
+    x, y, _ = datasets.regression(256, 8, 1, seed=0)
     init = models.mlp_init([8, 16, 1], seed=0)
     batches = R.global_batches(x, y, 32, STEPS)
     return init, batches, R.reference_sgd(init, batches, LR)

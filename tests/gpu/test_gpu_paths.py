@@ -107,10 +107,10 @@ def test_04_the_allocator_peak_counts_a_step_on_the_device():
 
 def test_05_synchronous_parameter_server_on_the_devices_equals_sgd_on_the_cpu():
     out = run_on(3, """
-        from accel import data, models
+        from accel import datasets, models
         from accel.parallel import parameter_server as ps
         from accel.training import squared_error
-        x, y, _ = data.regression(n=96, features=4, seed=0)
+        x, y, _ = datasets.regression(n=96, features=4, seed=0)
         problem = {"model_fn": models.mlp_apply, "loss_fn": squared_error, "x": x, "y": y,
                    "params": models.mlp_init([4, 8, 1], seed=0)}
         got = ps.train_sync(**problem, workers=names[1:], ps_device=names[0], steps=4,
@@ -134,10 +134,10 @@ def test_05_synchronous_parameter_server_on_the_devices_equals_sgd_on_the_cpu():
 
 def test_06_towers_on_the_devices_equal_one_step_on_the_whole_batch():
     out = run_on(2, """
-        from accel import data, models
+        from accel import datasets, models
         from accel.parallel import data as dp
         from accel.training import squared_error
-        x, y, _ = data.regression(128, 8, 1, seed=1)
+        x, y, _ = datasets.regression(128, 8, 1, seed=1)
         towers = dp.make_tower_step(models.mlp_apply, squared_error, models.mlp_init([8, 16, 1]),
                                     0.05, names)
         single = dp.make_single_step(models.mlp_apply, squared_error,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accel import data, models
+from accel import datasets, models
 from accel.parallel import data as dp
 from accel.parallel import inputs as tfrecords
 from accel.parallel.mirrored import make_mirrored_step, mirrored_strategy
@@ -23,7 +23,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def problem():
-    x, y, _ = data.regression(BATCH * STEPS, SIZES[0], SIZES[-1], seed=1)
+    x, y, _ = datasets.regression(BATCH * STEPS, SIZES[0], SIZES[-1], seed=1)
     return x, y
 
 
@@ -305,7 +305,7 @@ def test_placement_variables_and_towers(problem, four_devices):
 
 # ----------------------------------------------------------------------------- TFRecords
 def test_tfrecords_roundtrip_in_order_and_cleaned_up():
-    x, y, _ = data.regression(40, 5, 2, seed=3)
+    x, y, _ = datasets.regression(40, 5, 2, seed=3)
     with tfrecords.temporary_tfrecords(x, y, num_files=3) as files:
         assert len(files) == 3 and all(os.path.exists(f) for f in files)
         got = list(tfrecords.tfrecord_dataset(files, 5, 2, batch_size=8))
@@ -331,7 +331,7 @@ def test_tfrecords_errors(tmp_path):
 
 
 def test_tfrecord_dataset_takes_one_file_name(tmp_path):
-    x, y, _ = data.regression(12, 3, 1, seed=4)
+    x, y, _ = datasets.regression(12, 3, 1, seed=4)
     (name,) = tfrecords.write_tfrecords(x, y, tmp_path, num_files=1)
     for one in (name, tmp_path / name.split("/")[-1]):
         got = list(tfrecords.tfrecord_dataset(one, 3, 1, batch_size=12))

@@ -4,7 +4,7 @@ whole batch, every=k is k independent SGD runs averaged; bytes against the ring'
 import numpy as np
 import pytest
 
-from accel import data
+from accel import datasets
 from accel.parallel.local_sgd import local_sgd
 from accel.training import squared_error
 
@@ -23,7 +23,7 @@ def grads_by_hand(w, b, x, y):
 
 @pytest.fixture(scope="module")
 def problem():
-    x, y, _ = data.regression(4 * 8 * 4, 8, 4, seed=3)
+    x, y, _ = datasets.regression(4 * 8 * 4, 8, 4, seed=3)
     x, y = x.astype(np.float64), y.astype(np.float64)
     shards = [[(x[(4 * t + i) * 8:(4 * t + i + 1) * 8], y[(4 * t + i) * 8:(4 * t + i + 1) * 8])
                for t in range(4)] for i in range(4)]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accel import data, models
+from accel import datasets, models
 from accel.parallel import partition
 from accel.parallel import pipeline as pl
 from accel.parallel import pipeline_exec as pe
@@ -34,7 +34,7 @@ def dense_stages(devices, balance, params):
 
 @pytest.fixture(scope="module")
 def batch():
-    x, y, _ = data.regression(32, SIZES[0], SIZES[-1], seed=3)
+    x, y, _ = datasets.regression(32, SIZES[0], SIZES[-1], seed=3)
     return tf.constant(x), tf.constant(y)
 
 

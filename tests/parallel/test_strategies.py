@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accel import data, models
+from accel import datasets, models
 from accel.parallel import strategies as st
 from accel.training import squared_error
 
@@ -17,7 +17,7 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def problem():
-    x, y, _ = data.regression(BATCH * 4, SIZES[0], SIZES[-1], seed=3)
+    x, y, _ = datasets.regression(BATCH * 4, SIZES[0], SIZES[-1], seed=3)
     return x, y
 
 
