@@ -112,3 +112,10 @@ def test_a_cluster_nobody_serves_is_a_connection_error_naming_the_address():
         KR.fit_on_cluster(spec, mlp(), np.zeros((4, 6)), np.zeros((4, 3)),
                           [{"form": "data", "devices": KR.worker_devices(spec)}], loss="mse",
                           optimizer="adam", batch_size=4, connect_timeout=1.0)
+
+
+def test_towers_refuse_variables_on_another_task_than_the_variable_device():
+    from accel.parallel.data import make_tower_step
+
+    with pytest.raises(ValueError, match="not on the variable device '/job:worker/task:0"):
+        make_tower_step(None, keras.losses.MeanSquaredError(), mlp(), 0.1, [W0, W1])
