@@ -31,7 +31,7 @@ class PipelineEstimate:
         return self.compute_s / self.step_s
 
 
-def pipeline_step(stage_s: float, num_stages: int, num_microbatches: int,
+def pipeline_step(stage_s: float, num_microbatches: int, num_stages: int,
                   boundary_bytes: float = 0.0, link: str | None = None,
                   bandwidth_bps: float | None = None) -> PipelineEstimate:
     """A balanced synchronous pipeline (GPipe or 1F1B: same step time): ``stage_s`` is one
@@ -70,7 +70,7 @@ def microbatches_for_efficiency(num_stages: int, target: float) -> int:
     return m
 
 
-def stash_microbatches(schedule: str, num_stages: int, num_microbatches: int) -> int:
+def stash_microbatches(schedule: str, num_microbatches: int, num_stages: int) -> int:
     """How many micro-batches' activations the first stage holds at its peak: ``m`` under GPipe,
     ``min(p, m)`` under 1F1B (counted exactly on the schedules by ``pipeline.peak_in_flight``)."""
     checks.one_of("schedule", schedule, ("gpipe", "1f1b"))

@@ -247,7 +247,7 @@ def memory_per_device(model: Transformer, plan: Plan, batch: int,
     s, b, h = model.seq, plan.microbatch, model.hidden
     full = layer_activation_bytes(b, s, h, model.heads, plan.tensor)
     kept = 2 * s * b * h if plan.recompute else full
-    in_flight = stash_microbatches("1f1b", plan.pipeline, microbatches(plan, batch))
+    in_flight = stash_microbatches("1f1b", microbatches(plan, batch), plan.pipeline)
     acts = in_flight * math.ceil(model.layers / plan.pipeline) * kept
     acts += full if plan.recompute else 0.0
     scale = BYTES_PER_PARAM[precision]["weights"] / 2  # the formulas count 16-bit activations
@@ -279,7 +279,7 @@ def step_time(model: Transformer, cluster: Cluster, plan: Plan, batch: int,
     reduces = (6 if plan.recompute else 4) * math.ceil(model.layers / p)
     tp = reduces * ring_all_reduce_bytes(act, t) / _bandwidth(cluster, t, 1)
     pp_bw = _bandwidth(cluster, 2, t * d)
-    pipe = pipeline_step(stage + tp, p, m, boundary_bytes=act / t, bandwidth_bps=pp_bw)
+    pipe = pipeline_step(stage + tp, m, p, boundary_bytes=act / t, bandwidth_bps=pp_bw)
     sent = zero_comm_bytes(stage_parameters(model, plan), d, plan.zero, precision)
     dp = sent * (m if plan.zero == 3 else 1) / _bandwidth(cluster, d, t)
     exposed = dp * (1 - dp_overlap)

@@ -116,7 +116,7 @@ def measure_bubble(devices: Sequence[str], microbatches: Sequence[int] = (1, 2, 
             alone.append(pe.run_schedule(one, alone_sched, x, y, squared_error, m))
             whole.append(timing.time_fn(whole_step, repeat=1, warmup=0))
         idle = np.median([pe.measured_idle_fractions(r) for r in runs], axis=0)
-        out[m] = {"measured": [float(v) for v in idle], "formula": pl.bubble_fraction(p, m),
+        out[m] = {"measured": [float(v) for v in idle], "formula": pl.bubble_fraction(m, p),
                   "step_s": min(_span(r) for r in runs), "peak_stash": runs[-1].peak_stash,
                   "task_s": _task_times(runs[-1]),
                   "one_device_s": min(_span(r) for r in alone),
@@ -239,7 +239,7 @@ def measure_keras_bubble(devices: Sequence[str], microbatches: Sequence[int] = (
             pipe.train_step(x, y)  # warm-up
             runs = [pipe.train_step(x, y) for _ in range(repeat)]
             idle = [float(np.mean(pe.measured_idle_fractions(r))) for r in runs]
-            rows[m] = {"measured": min(idle), "formula": pl.bubble_fraction(p, m, chunks),
+            rows[m] = {"measured": min(idle), "formula": pl.bubble_fraction(m, p, chunks),
                        "task_s": _task_times(runs[-1]), "step_s": min(_span(r) for r in runs)}
         out[f"{name} v={chunks}"] = rows
     return out
@@ -274,7 +274,7 @@ def bench_keras(device_names: Sequence[str], quick: bool = False) -> dict:
     for m in both:
         a, b = result["interleaved v=2"][m]["measured"], result["1f1b v=1"][m]["measured"]
         print(f"m={m}: interleaved idle / 1F1B idle = {a / b:.2f} (formula "
-              f"{pl.bubble_fraction(2, m, 2) / pl.bubble_fraction(2, m):.2f})")
+              f"{pl.bubble_fraction(m, 2, 2) / pl.bubble_fraction(m, 2):.2f})")
     measured = timing.measure_ceiling()
     print(timing.ceiling_line(measured))
     return {"results": result, "ceiling": measured.value}
@@ -304,7 +304,7 @@ def figure_bubble(results: dict, num_stages: int = 2):
     ms = sorted(results)
     fig, ax = plt.subplots(figsize=(6, 3.4))
     fine = np.arange(1, max(ms) + 1)
-    ax.plot(fine, [pl.bubble_fraction(num_stages, m) for m in fine], "--", color="grey",
+    ax.plot(fine, [pl.bubble_fraction(m, num_stages) for m in fine], "--", color="grey",
             label="(p-1)/(m+p-1)")
     ax.plot(ms, [np.mean(results[m]["measured"]) for m in ms], "o-", label="measured")
     ax.set(xscale="log", xlabel="micro-batches m", ylabel="idle fraction", xticks=ms,
@@ -324,7 +324,7 @@ def check_exercise(number: int, answer) -> str:
     if answer is None:
         return f"exercise {number}: not answered yet"
     if number == 1:
-        ok = isinstance(answer, float | int) and abs(answer - pl.bubble_fraction(8, 32)) < 1e-9
+        ok = isinstance(answer, float | int) and abs(answer - pl.bubble_fraction(32, 8)) < 1e-9
     elif number == 2:
         try:
             pl.validate_schedule(answer, 2, 3)

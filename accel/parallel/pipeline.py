@@ -24,8 +24,8 @@ and ``m`` micro-batches every stage runs ``2m`` tasks:
 All three come from per-device task orders placed on the clock by ``clock_schedule``: a task
 runs at the first tick after the tasks it depends on (the forward on the previous stage, the
 backward on the next stage, its own forward) and after its device's previous task. With every
-task one tick long the idle fraction of the clock is ``bubble_fraction(p, m) = (p-1)/(m+p-1)``
-for GPipe and 1F1B, and ``bubble_fraction(p, m, v) = (p-1)/(v m + p-1)`` interleaved
+task one tick long the idle fraction of the clock is ``bubble_fraction(m, p) = (p-1)/(m+p-1)``
+for GPipe and 1F1B, and ``bubble_fraction(m, p, v) = (p-1)/(v m + p-1)`` interleaved
 (``idle_fraction`` measures it on a schedule).
 
 Where a function takes ``num_devices``, stages are virtual: stage ``s`` on device
@@ -260,7 +260,7 @@ def device_orders(schedule: Sequence[Sequence[Task]], num_devices: int) -> list[
     return orders
 
 
-def bubble_fraction(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> float:
+def bubble_fraction(num_microbatches: int, num_stages: int, num_chunks: int = 1) -> float:
     """The idle share of a synchronous pipeline's clock on ``num_stages`` devices,
     (p - 1) / (v m + p - 1); ``v = num_chunks`` = 1 for GPipe and 1F1B."""
     _check_sizes(num_microbatches, num_stages)

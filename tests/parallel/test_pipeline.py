@@ -70,7 +70,7 @@ def test_forward_at_tick_i_plus_j_and_the_bubble_formula(m, p):
         pl.validate_schedule(schedule, p, m)
         assert len(schedule) == 2 * (m + p - 1)
         assert pl.idle_fraction(schedule, p) == pytest.approx((p - 1) / (m + p - 1))
-    assert pl.bubble_fraction(p, m) == pytest.approx((p - 1) / (m + p - 1))
+    assert pl.bubble_fraction(m, p) == pytest.approx((p - 1) / (m + p - 1))
 
 
 @pytest.mark.parametrize("m, p", [(4, 2), (8, 4), (2, 3), (16, 4)])
@@ -145,7 +145,7 @@ def test_simulate_with_unit_times_is_the_clock_and_with_real_times_the_formula()
     # one stage twice as slow: the others wait for it, and its own idle share shrinks
     slow = pl.simulate(pl.gpipe_orders(8, 2), lambda task: 2.0 if task[0] == 1 else 1.0)
     idle = pl.interval_idle_fractions(slow)
-    assert idle[1] < pl.bubble_fraction(2, 8) < idle[0]
+    assert idle[1] < pl.bubble_fraction(8, 2) < idle[0]
     with pytest.raises(ValueError, match=r"durations\(\(0, 0, 'F'\)\) must be a number >= 0"):
         pl.simulate(pl.gpipe_orders(1, 1), lambda task: -1.0)
 
@@ -175,7 +175,7 @@ def test_interleaved_bubble_is_narayanan_formula(m, p, v):
     pl.validate_schedule(schedule, p * v, m, num_devices=p)
     assert len(schedule) == 2 * v * m + 2 * (p - 1)
     assert pl.idle_fraction(schedule, p) == pytest.approx((p - 1) / (v * m + p - 1))
-    assert pl.bubble_fraction(p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert pl.bubble_fraction(m, p, v) == pytest.approx((p - 1) / (v * m + p - 1))
     assert pl.idle_fraction(schedule, p) < pl.idle_fraction(pl.one_f_one_b_schedule(m, p), p)
     # played out with backward twice the forward, the clock's order still never deadlocks
     logs = pl.simulate(pl.interleaved_orders(m, p, v),
