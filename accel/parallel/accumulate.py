@@ -3,6 +3,10 @@ batch adding its gradients into a buffer, then ONE optimizer update. With a loss
 over examples, the buffer ends equal to the gradient of the whole batch, so the step equals one
 step on the ``k``-times larger batch, while only one micro-batch's activations are alive at a time
 (the micro-steps run one after the other, eagerly).
+
+``Accumulating(model, loss=..., optimizer=..., accumulation_steps=k)`` is the same for a Keras
+model and a Keras optimizer on one device; ``accel.parallel.zero.Zero`` and
+``accel.parallel.offload.Offload`` take ``accumulation_steps`` too.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from accel import checks
+from accel.parallel.zero import Zero
 from accel.training import make_update
 
-__all__ = ["accumulated_gradients", "make_accumulating_step"]
+__all__ = ["accumulated_gradients", "make_accumulating_step", "Accumulating"]
 
 
 def accumulated_gradients(model: tf.keras.Model, loss_fn: Callable, x, y, k: int) -> list:
@@ -45,3 +50,33 @@ def make_accumulating_step(model: tf.keras.Model, loss_fn: Callable, optimizer, 
         update(list(zip(grads, model.trainable_variables, strict=True)))
 
     return step
+
+
+class Accumulating(Zero):
+    """Gradient accumulation for a Keras model and a Keras optimizer on one ``device`` (default:
+    the first GPU, else the first CPU): ``train_step(x, y)`` runs the batch in
+    ``accumulation_steps`` micro-batches one after the other, adds their gradients into a buffer
+    (each micro-batch's mean-loss gradient divided by ``accumulation_steps``) and makes ONE
+    update. This is what Keras's optimizer option ``gradient_accumulation_steps=k`` does with
+    ``fit`` on batches ``k`` times smaller: Keras adds the ``k`` gradients and divides by ``k``
+    at the k-th batch, and its step count (``iterations``) moves once per update, so training
+    on batch ``B`` here equals Keras's ``fit`` with batch ``B / k`` and
+    ``gradient_accumulation_steps=k`` (BatchNorm included: each micro-batch is normalised on its
+    own and updates the moving statistics in turn).
+
+    The weights, the buffer and the optimizer's slots live on ``device``, in variables of this
+    form (``Zero`` with one device and ``stage=0``); ``write_back()`` (and the end of ``fit``)
+    puts them into the user's model. Optimizers: ``accel.parallel.zero.keras_optimizer_factory``.
+    """
+
+    def __init__(self, model, *, loss, optimizer, accumulation_steps: int,
+                 device: str | None = None,
+                 exclude_from_weight_decay=None, run_eagerly: bool = False):
+        if device is None:
+            device = (tf.config.list_logical_devices("GPU")
+                      or tf.config.list_logical_devices("CPU"))[0].name
+        super().__init__(model, [device], loss=loss, optimizer=optimizer, stage=0,
+                         accumulation_steps=accumulation_steps,
+                         exclude_from_weight_decay=exclude_from_weight_decay,
+                         run_eagerly=run_eagerly)
+        self.device = self.devices[0]

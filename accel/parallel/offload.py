@@ -7,6 +7,9 @@ updates, and sends the new weights back to every accelerator.
 Bytes per step with ``n`` accelerators and ``P`` bytes of weights (float32 here): each
 accelerator sends ``P`` (its gradients), the host sends ``n P`` (the weights, one copy each).
 ``accel.costmodel.zero.offload_step`` says when a real PCIe link makes this free.
+
+``Offload(model, devices, host=..., loss=..., optimizer=...)`` is the same for a Keras model and
+a Keras optimizer.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import tensorflow as tf
 
 from accel import checks
 from accel.collectives import check_devices
+from accel.devices import parse_device
 from accel.models import mlp_apply
-from accel.parallel.zero import adam_apply
+from accel.parallel.zero import KerasReplicas, adam_apply
 
-__all__ = ["OffloadStep"]
+__all__ = ["OffloadStep", "Offload"]
 
 
 class OffloadStep:
@@ -78,3 +82,74 @@ class OffloadStep:
                 for w, new in zip(self.weights_on[i], self.master, strict=True):
                     w.assign(new)
         return losses
+
+
+class Offload(KerasReplicas):
+    """Optimizer offload for a Keras model and a Keras optimizer: data parallelism over
+    ``devices`` (the batch split into one shard per device, each of ``accumulation_steps``
+    micro-batches), each device holding a working copy of the weights and a gradient buffer,
+    while the master weights and the Keras optimizer (built eagerly there, so every slot sits
+    on ``host``) live on ``host``, which also runs the update. Per step every device sends its
+    accumulated gradients to the host, the host sums them, updates, and sends the new weights
+    back to every device.
+
+    Optimizers: those of ``accel.parallel.zero.keras_optimizer_factory`` (the same checks,
+    though offload alone would not need per-element updates). ``write_back()`` (and the end of
+    ``fit``) puts the host's master weights and ``devices[0]``'s BatchNorm statistics into the
+    user's model; BatchNorm is per device (``accel.parallel.zero.KerasReplicas``).
+    """
+
+    def __init__(self, model, devices: Sequence[str], *, host: str, loss, optimizer,
+                 accumulation_steps: int = 1,
+                 exclude_from_weight_decay: Sequence[str] | None = None,
+                 run_eagerly: bool = False):
+        super().__init__(model, devices, loss=loss, optimizer=optimizer,
+                         accumulation_steps=accumulation_steps,
+                         exclude_from_weight_decay=exclude_from_weight_decay,
+                         run_eagerly=run_eagerly)
+        try:
+            check_devices([*self.devices, host])
+        except ValueError as exc:
+            raise ValueError(f"host {host!r} must not be one of the devices {self.devices}"
+                             ) from exc
+        self.host = parse_device(host).to_string()
+        self._working = [self._variables(d, self._weights) for d in self.devices]
+        for d in self.devices:
+            with tf.device(d):
+                self._grads.append([tf.Variable(tf.zeros(w.shape, w.dtype), trainable=False)
+                                    for w in self._weights])
+        self.master = self._variables(self.host, self._weights)
+        with tf.device(self.host):
+            self.optimizer = self._make_optimizer()
+            self.optimizer.build(self.master)
+
+    def held_variables(self) -> dict[str, dict[str, list]]:
+        out = {d: {"weights": w + s, "grads": g, "optimizer": []} for d, w, s, g in
+               zip(self.devices, self._working, self._state_vars, self._grads, strict=True)}
+        out[self.host] = {"weights": list(self.master), "grads": [],
+                          "optimizer": self._slots(self.optimizer)}
+        return out
+
+    def _trained_weights(self) -> list[np.ndarray]:
+        return [v.numpy() for v in self.master]
+
+    def _micro_step(self, xs, ys, scale) -> list:
+        losses = []
+        for i, d in enumerate(self.devices):
+            loss, grads = self._local_gradients(i, self._working[i], xs[i], ys[i], scale)
+            losses.append(loss)
+            with tf.device(d):
+                for b, g in zip(self._grads[i], grads, strict=True):
+                    b.assign_add(g)
+        return losses
+
+    def _apply(self) -> None:
+        with tf.device(self.host):
+            grads = [tf.add_n([gs[j].read_value() for gs in self._grads])
+                     for j in range(len(self.master))]
+            (grads,) = self._clip([grads], [self.host], sliced=False)
+            self.optimizer.apply(grads, self.master)
+        for ws, d in zip(self._working, self.devices, strict=True):
+            with tf.device(d):
+                for w, m in zip(ws, self.master, strict=True):
+                    w.assign(m.read_value())

@@ -19,26 +19,35 @@ volume of a ring. Stage 3 keeps only the slices and gathers each layer's weights
 layer runs, forward and again backward (``accel.collectives.collective_op``), the gathered copy
 never kept; the gradient of the gather is the reduce-scatter. Adam is Keras' form: ``alpha =
 lr sqrt(1 - beta2^t) / (1 - beta1^t)``, ``w -= alpha m / (sqrt(v) + epsilon)``.
+
+``Zero(model, devices, loss=..., optimizer=..., stage=...)`` is the same idea for a Keras model
+and a Keras optimizer (one sharded optimizer per device, each variable flattened and padded on
+its own); ``keras_optimizer_factory`` says which optimizers it takes and why.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from accel import checks
 from accel.collectives import (
     all_gather,
+    all_reduce,
     check_devices,
     collective_op,
     on_device,
     reduce_scatter,
 )
+from accel.devices import parse_device
 from accel.models import mlp_apply
 
-__all__ = ["STAGES", "ZeroStep", "flatten_layers", "unflatten_layer", "adam_apply"]
+__all__ = ["STAGES", "ZeroStep", "flatten_layers", "unflatten_layer", "adam_apply",
+           "SHARDABLE_OPTIMIZERS", "keras_optimizer_factory", "KerasReplicas", "Zero"]
 
 STAGES = (0, 1, 2, 3)
 
@@ -257,3 +266,483 @@ class ZeroStep:
         for i in range(n):
             with tf.device(devs[i]):
                 wvar[i].assign(gathered[i])
+
+
+# -- the same for a Keras model and a Keras optimizer ----------------------------------------
+
+SHARDABLE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad")
+_REFUSED_OPTIONS = {
+    "clipnorm": "it clips each variable by its own norm, which a slice of it does not know; "
+                "global_clipnorm is supported",
+    "use_ema": "a moving average of the weights is not kept by the sharded forms",
+    "gradient_accumulation_steps": "give the form accumulation_steps= instead",
+    "loss_scale_factor": "loss scaling is not supported by the sharded forms",
+}
+
+
+def keras_optimizer_factory(optimizer, exclude_from_weight_decay: Sequence[str] | None = None):
+    """``(make, global_clipnorm)``: ``make()`` returns a new Keras optimizer with ``optimizer``'s
+    configuration (an object or a name such as ``"adam"``), to be built on one device's
+    variables; ``global_clipnorm`` is the clipping the form applies itself (``None``: none).
+
+    A Keras optimizer applied to a flat slice of a variable equals the same optimizer applied to
+    the whole variable only when its update is per element. Read from Keras 3's source
+    (``keras/src/optimizers``): ``SGD`` (momentum, Nesterov), ``Adam`` and ``AdamW`` (amsgrad
+    too), ``RMSprop`` (momentum, centered) and ``Adagrad`` update each element from that
+    element's gradient and slots, with scalars (learning rate, step count) shared; padding
+    elements (gradient 0) stay 0. ``clipvalue`` clips per element. ``weight_decay``
+    (``w -= w * wd * lr``, AdamW's and any optimizer's) is per element; Keras applies it per
+    variable by name, so every slice carries its variable's name and the variables whose names
+    match a pattern of ``exclude_from_weight_decay`` (as Keras's ``var_names``) are not decayed
+    (exclusions set on the user's optimizer object are not part of its config and are not
+    carried). ``global_clipnorm``: the form all-reduces the squared norms of the slices and
+    scales every slice as Keras does. Refused with a ``ValueError``: other classes (Lamb and
+    Adafactor use per-variable norms or factored statistics, Muon orthogonalises whole matrices;
+    Lion, Nadam, Adamax, Ftrl... are not verified here) and the options ``clipnorm``,
+    ``use_ema``, ``gradient_accumulation_steps`` and ``loss_scale_factor``."""
+    from accel.parallel.keras_model import fresh_optimizer
+
+    opt = fresh_optimizer(optimizer)
+    cls = type(opt)
+    if cls.__name__ not in SHARDABLE_OPTIMIZERS or cls is not getattr(keras.optimizers,
+                                                                      cls.__name__):
+        raise ValueError(f"optimizer {cls.__name__} is not supported by the sharded forms: the "
+                         f"update must be per element; supported: {list(SHARDABLE_OPTIMIZERS)}")
+    config = opt.get_config()
+    for option, why in _REFUSED_OPTIONS.items():
+        if config.get(option):
+            raise ValueError(f"optimizer option {option}={config[option]!r} is not supported "
+                             f"by the sharded forms: {why}")
+    clip = config.pop("global_clipnorm", None)
+    config["global_clipnorm"] = None
+    patterns = list(exclude_from_weight_decay or [])
+    if not all(isinstance(p, str) for p in patterns):
+        raise ValueError(f"exclude_from_weight_decay must be a list of name patterns (str), got "
+                         f"{exclude_from_weight_decay!r}")
+
+    def make():
+        made = cls.from_config(config)
+        if patterns:
+            made.exclude_from_weight_decay(var_names=patterns)
+        return made
+
+    return make, clip
+
+
+def _padded(t, n: int):
+    """``t`` flattened and zero-padded to a multiple of ``n``."""
+    flat = tf.reshape(t, [-1])
+    return tf.pad(flat, [[0, -int(flat.shape[0]) % n]])
+
+
+def _nbytes(variables) -> int:
+    return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
+
+
+def _unique(variables) -> list:
+    seen, out = set(), []
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+    return out
+
+
+def _takes_training(layer) -> bool:
+    params = inspect.signature(layer.call).parameters
+    return "training" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+class KerasReplicas:
+    """What ``Zero``, ``accel.parallel.offload.Offload`` and
+    ``accel.parallel.accumulate.Accumulating`` share: a Keras model run on several devices,
+    each device running it on its shard of the batch from weights it holds or gathers, with
+    Keras's public ``layer.stateless_call`` (layer after layer of a ``Sequential``, or the whole
+    model), so no working copy of the model is built.
+
+    * The batch splits into one shard per device (in order), each shard into
+      ``accumulation_steps`` micro-batches run one after the other, their gradients added into
+      a buffer (``grads``), then ONE update: the step equals one step on the whole batch for a
+      loss that is a mean over examples (and layers that do not mix examples).
+    * BatchNormalization: each device normalises its own micro-batch and keeps its own moving
+      statistics, updated from its micro-batches in order; ``write_back`` writes the first
+      device's (``devices[0]``: the statistics of the first shard). So the one-device reference
+      is the loss averaged over the micro-batches each run separately.
+    * ``train_step(x, y) -> loss``; ``fit(x, y, batch_size, epochs, verbose)`` (Keras-style,
+      ``batch_size`` a multiple of ``len(devices) * accumulation_steps``), then ``write_back()``;
+      ``held_variables()`` and ``held_bytes()``: what each device keeps between steps.
+    * ``run_eagerly=True``: the step runs op by op (no tracing: cheaper for a few steps of
+      a model whose tracing is slow, such as attention); else one ``tf.function``.
+    """
+
+    def __init__(self, model, devices: Sequence[str], *, loss, optimizer,
+                 accumulation_steps: int = 1,
+                 exclude_from_weight_decay: Sequence[str] | None = None,
+                 run_eagerly: bool = False):
+        from accel.parallel import keras_model as km
+
+        self.devices = check_devices([parse_device(d).to_string() for d in devices])
+        self.n = len(self.devices)
+        self.accumulation_steps = checks.positive_int("accumulation_steps", accumulation_steps)
+        if not isinstance(model, keras.Model) or not model.built or not model.trainable_variables:
+            raise ValueError("model must be a built keras.Model with trainable weights: start "
+                             "it with keras.Input(shape) or call it once on a batch")
+        self.model = model
+        self.loss_fn = km.loss_function(loss)
+        self._make_optimizer, self.global_clipnorm = keras_optimizer_factory(
+            optimizer, exclude_from_weight_decay)
+        self.units = km.sequential_layers(model) if isinstance(model, keras.Sequential) \
+            else [model]
+        self._weights = _unique(v for u in self.units for v in u.trainable_variables)
+        self._states = _unique(v for u in self.units for v in u.non_trainable_variables)
+        where = {id(v): j for j, v in enumerate(self._weights)}
+        self._tidx = [[where[id(v)] for v in u.trainable_variables] for u in self.units]
+        where = {id(v): j for j, v in enumerate(self._states)}
+        self._nidx = [[where[id(v)] for v in u.non_trainable_variables] for u in self.units]
+        self._training = [_takes_training(u) for u in self.units]
+        self._state_vars = [self._variables(d, self._states) for d in self.devices]
+        self._grads: list[list[tf.Variable]] = []
+        self._step = self._run if run_eagerly else tf.function(self._run, autograph=False)
+
+    # -- variables -------------------------------------------------------------------------
+    @staticmethod
+    def _variables(device: str, like, values=None) -> list[tf.Variable]:
+        """New variables on ``device`` named as ``like`` (Keras variables), holding ``values``
+        (default: ``like``'s values)."""
+        values = [v.numpy() for v in like] if values is None else values
+        with tf.device(device):
+            return [tf.Variable(a, name=v.name, trainable=v.trainable)
+                    for v, a in zip(like, values, strict=True)]
+
+    def held_variables(self) -> dict[str, dict[str, list]]:
+        """Device -> ``{"weights", "grads", "optimizer"}`` -> the variables it keeps between
+        steps (the optimizer's scalars, its step count and learning rate, left out)."""
+        raise NotImplementedError
+
+    def held_bytes(self) -> dict[str, dict[str, int]]:
+        """Device -> bytes of its ``weights``, ``grads`` and ``optimizer`` variables
+        (``held_variables``) and their ``total``."""
+        out = {}
+        for d, groups in self.held_variables().items():
+            row = {k: _nbytes(vs) for k, vs in groups.items()}
+            row["total"] = sum(row.values())
+            out[d] = row
+        return out
+
+    @staticmethod
+    def _slots(optimizer) -> list:
+        return [v for v in optimizer.variables if len(v.shape)]
+
+    # -- training ----------------------------------------------------------------------------
+    def train_step(self, x, y) -> float:
+        """One step on the batch ``(x, y)``; the batch's mean loss."""
+        parts = self.n * self.accumulation_steps
+        x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+        if int(x.shape[0]) % parts or int(y.shape[0]) != int(x.shape[0]):
+            raise ValueError(f"a batch of {int(x.shape[0])} examples ({int(y.shape[0])} labels) "
+                             f"does not split into {self.n} devices x {self.accumulation_steps} "
+                             f"micro-batches: give a batch size that is a multiple of {parts}")
+        return float(self._step(tuple(tf.split(x, parts)), tuple(tf.split(y, parts))))
+
+    def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1, verbose: int = 1):
+        """Keras-style training in order (``accel.parallel.keras_model.fit_loop``), then
+        ``write_back()``; returns a ``keras.callbacks.History``."""
+        from accel.parallel.keras_model import fit_loop
+
+        history = fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
+                           divisor=self.n * self.accumulation_steps)
+        self.write_back()
+        return history
+
+    def write_back(self) -> None:
+        """The trained weights into the user's model: the full trainable weights, and the
+        non-trainable ones (BatchNorm's moving statistics) of ``devices[0]``."""
+        for v, value in zip(self._weights, self._trained_weights(), strict=True):
+            v.assign(value)
+        for v, s in zip(self._states, self._state_vars[0], strict=True):
+            v.assign(s.numpy())
+
+    def _trained_weights(self) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def _run(self, xs, ys):
+        k, n = self.accumulation_steps, self.n
+        for gs, d in zip(self._grads, self._grad_devices(), strict=True):
+            with tf.device(d):
+                for g in gs:
+                    g.assign(tf.zeros_like(g))
+        losses = []
+        for j in range(k):
+            losses += self._micro_step([xs[i * k + j] for i in range(n)],
+                                       [ys[i * k + j] for i in range(n)], 1.0 / (n * k))
+        self._apply()
+        with tf.device(self.devices[0]):
+            return tf.add_n(losses)
+
+    def _grad_devices(self) -> list[str]:
+        return self.devices
+
+    def _micro_step(self, xs, ys, scale) -> list:
+        raise NotImplementedError
+
+    def _apply(self) -> None:
+        raise NotImplementedError
+
+    # -- the model, layer after layer ----------------------------------------------------------
+    def _run_unit(self, u: int, h, values, states):
+        kwargs = {"training": True} if self._training[u] else {}
+        return self.units[u].stateless_call(values, states, h, return_losses=True, **kwargs)
+
+    def _forward(self, x, values, states):
+        """``(prediction, new states, added losses)`` of the model on ``x`` with the full
+        weights ``values`` and the states ``states`` (lists aligned with the model's)."""
+        states, extra = list(states), []
+        for u in range(len(self.units)):
+            x, new, losses = self._run_unit(u, x, [values[j] for j in self._tidx[u]],
+                                            [states[j] for j in self._nidx[u]])
+            for j, s in zip(self._nidx[u], new, strict=True):
+                states[j] = s
+            extra += losses
+        return x, states, extra
+
+    def _loss(self, y, pred, extra, scale):
+        loss = tf.reduce_mean(self.loss_fn(y, pred))
+        for e in extra:  # regularizers and add_loss, as Keras's fit adds them
+            loss += tf.cast(e, loss.dtype)
+        return loss * scale
+
+    def _local_gradients(self, i: int, weights, x, y, scale):
+        """Device ``i``'s scaled loss on ``(x, y)`` and its gradients for ``weights`` (the
+        device's full weight variables); its states updated."""
+        with tf.device(self.devices[i]):
+            with tf.GradientTape() as tape:
+                pred, states, extra = self._forward(
+                    x, [w.read_value() for w in weights],
+                    [s.read_value() for s in self._state_vars[i]])
+                loss = self._loss(y, pred, extra, scale)
+            grads = tape.gradient(loss, weights,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            for v, s in zip(self._state_vars[i], states, strict=True):
+                v.assign(s)
+        return loss, grads
+
+    def _clip(self, grads: list, devices: list[str], sliced: bool) -> list:
+        """Per device, its gradients scaled as Keras's ``global_clipnorm`` does (the squared
+        norm all-reduced over the devices when each holds a slice)."""
+        if not self.global_clipnorm:
+            return grads
+        clip = float(self.global_clipnorm)
+        squares = []
+        for gs, d in zip(grads, devices, strict=True):
+            with tf.device(d):
+                squares.append(tf.add_n([tf.reduce_sum(tf.square(g)) for g in gs]))
+        if sliced and len(devices) > 1:
+            squares = all_reduce(squares, devices)
+        out = []
+        for gs, s, d in zip(grads, squares, devices, strict=True):
+            with tf.device(d):
+                norm = tf.sqrt(s)
+                scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+                out.append([g * scale for g in gs])
+        return out
+
+
+class Zero(KerasReplicas):
+    """ZeRO (Rajbhandari et al. 2019) for a Keras model and a Keras optimizer: data parallelism
+    over ``devices`` whose optimizer state (``stage=1``), also gradients (``2``) and also
+    weights (``3``) are sharded; ``stage=0`` is plain data parallelism (the baseline).
+
+    Each trainable variable is flattened and zero-padded to a multiple of ``n = len(devices)``;
+    device ``i`` owns slice ``i`` of each. Per device, one Keras optimizer
+    (``keras_optimizer_factory``: SGD, Adam, AdamW, RMSprop, Adagrad) built eagerly on that
+    device's slices, so its slots sit on the device. What each device keeps
+    (``held_variables``, ``held_bytes``):
+
+    * ``weights``: full copies of the weights (stages 0-2) or its slices (stage 3), plus the
+      non-trainable state (BatchNorm's moving statistics), full on every device;
+    * ``grads``: the gradient buffer, full (stages 0-1) or its slice (stages 2-3);
+    * ``optimizer``: the slots, full (stage 0) or of its slices (1-3), and in stages 1-2 the
+      master slice the optimizer updates (ZeRO counts the master weights as optimizer state).
+
+    One step: every device runs ``accumulation_steps`` micro-batches of its shard. Stages 0-1
+    add the full gradients into the buffer and all-reduce it at the end (stage 1 then keeps its
+    slice); stage 2 reduce-scatters each micro-batch's gradients into the slices; stage 3
+    gathers each layer's weights from the slices just before the layer runs
+    (``accel.collectives.all_gather``), forward and again backward, the gathered copy never
+    kept, the gradient reduce-scattered back (``collective_op``). Each device updates its
+    slices; stages 1-2 all-gather the new slices into the full copies. ``write_back()`` (and the
+    end of ``fit``) puts the full weights and ``devices[0]``'s BatchNorm statistics into the
+    user's model (``KerasReplicas``). Stage 3 gathers layer by layer for a ``Sequential`` (the
+    whole model at once for other models) and refuses layers that add losses.
+    """
+
+    def __init__(self, model, devices: Sequence[str], *, loss, optimizer, stage: int = 1,
+                 accumulation_steps: int = 1,
+                 exclude_from_weight_decay: Sequence[str] | None = None,
+                 run_eagerly: bool = False):
+        if stage not in STAGES or isinstance(stage, bool):
+            raise ValueError(f"stage must be one of {list(STAGES)} (0 = plain data "
+                             f"parallelism, 1 = optimizer state sharded, 2 = also gradients, "
+                             f"3 = also weights), got {stage!r}")
+        super().__init__(model, devices, loss=loss, optimizer=optimizer,
+                         accumulation_steps=accumulation_steps,
+                         exclude_from_weight_decay=exclude_from_weight_decay,
+                         run_eagerly=run_eagerly)
+        self.stage, n = stage, self.n
+        self.sizes = [int(np.prod(w.shape)) for w in self._weights]
+        flats = [_padded(w.value, n).numpy() for w in self._weights]
+        self._full, self._slices, self.optimizers = [], [], []
+        for i, d in enumerate(self.devices):
+            if stage < 3:
+                self._full.append(self._variables(d, self._weights))
+            if stage > 0:
+                self._slices.append(self._variables(d, self._weights,
+                                                    [np.split(f, n)[i] for f in flats]))
+            length = [len(f) // n if stage >= 2 else len(f) for f in flats]
+            with tf.device(d):
+                self._grads.append([tf.Variable(tf.zeros(m, w.dtype), trainable=False)
+                                    for m, w in zip(length, self._weights, strict=True)])
+                opt = self._make_optimizer()
+                opt.build(self._full[i] if stage == 0 else self._slices[i])
+            self.optimizers.append(opt)
+
+    def held_variables(self) -> dict[str, dict[str, list]]:
+        out = {}
+        for i, d in enumerate(self.devices):
+            weights = self._full[i] if self.stage < 3 else self._slices[i]
+            master = self._slices[i] if self.stage in (1, 2) else []
+            out[d] = {"weights": weights + self._state_vars[i], "grads": self._grads[i],
+                      "optimizer": self._slots(self.optimizers[i]) + master}
+        return out
+
+    def _trained_weights(self) -> list[np.ndarray]:
+        if self.stage < 3:
+            return [v.numpy() for v in self._full[0]]
+        return [np.concatenate([s[j].numpy() for s in self._slices])[:size].reshape(w.shape)
+                for j, (w, size) in enumerate(zip(self._weights, self.sizes, strict=True))]
+
+    def _unflat(self, flat, j: int):
+        return tf.reshape(flat[:self.sizes[j]], self._weights[j].shape)
+
+    # -- the step ----------------------------------------------------------------------------
+    def _micro_step(self, xs, ys, scale) -> list:
+        if self.stage == 3:
+            return self._gathered_micro_step(xs, ys, scale)
+        losses, flats = [], []
+        for i, d in enumerate(self.devices):
+            loss, grads = self._local_gradients(i, self._full[i], xs[i], ys[i], scale)
+            losses.append(loss)
+            with tf.device(d):
+                flats.append([_padded(g, self.n) for g in grads])
+        for j in range(len(self._weights)):
+            parts = [f[j] for f in flats]
+            if self.stage == 2:
+                parts = reduce_scatter(parts, self.devices)
+            for i, d in enumerate(self.devices):
+                with tf.device(d):
+                    self._grads[i][j].assign_add(parts[i])
+        return losses
+
+    def _apply(self) -> None:
+        devs, n, stage = self.devices, self.n, self.stage
+        count = len(self._weights)
+        if stage < 2:
+            summed = [all_reduce([gs[j].read_value() for gs in self._grads], devs)
+                      for j in range(count)]
+            grads = []
+            for i, d in enumerate(devs):
+                with tf.device(d):
+                    grads.append([self._unflat(summed[j][i], j) if stage == 0
+                                  else tf.split(summed[j][i], n)[i] for j in range(count)])
+        else:
+            grads = [[g.read_value() for g in gs] for gs in self._grads]
+        grads = self._clip(grads, devs, sliced=stage > 0)
+        for i, d in enumerate(devs):
+            with tf.device(d):
+                self.optimizers[i].apply(grads[i], self._full[i] if stage == 0
+                                         else self._slices[i])
+        if stage in (1, 2):
+            for j in range(count):
+                full = all_gather([s[j].read_value() for s in self._slices], devs)
+                for i, d in enumerate(devs):
+                    with tf.device(d):
+                        self._full[i][j].assign(self._unflat(full[i], j))
+
+    def _gathered_micro_step(self, xs, ys, scale) -> list:
+        """Stage 3: the forward and backward with each layer's weights gathered from the
+        slices; the slices' gradients (reduce-scattered) added into the buffers."""
+        devs = self.devices
+        states = [[s.read_value() for s in sv] for sv in self._state_vars]
+        with tf.GradientTape() as tape:
+            hs = list(xs)
+            for u in range(len(self.units)):
+                hs = self._gathered_unit(u, hs, states)
+            losses = [on_device(lambda p, t: self._loss(t, p, [], scale), d, h, y)
+                      for d, h, y in zip(devs, hs, ys, strict=True)]
+        sources = [v for vs in self._slices for v in vs]
+        ones = []
+        for loss, d in zip(losses, devs, strict=True):
+            with tf.device(d):
+                ones.append(tf.ones_like(loss))
+        grads = tape.gradient(losses, sources, output_gradients=ones,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        count = len(self._weights)
+        for i, d in enumerate(devs):
+            with tf.device(d):
+                for j in range(count):
+                    self._grads[i][j].assign_add(grads[i * count + j])
+                for v, s in zip(self._state_vars[i], states[i], strict=True):
+                    v.assign(s)
+        return losses
+
+    def _gathered_unit(self, u: int, hs: list, states: list) -> list:
+        """One layer (unit) of stage 3 on every device, recorded as one op: forward, its
+        weights all-gathered from the slices and the layer run with them; backward, gathered
+        again (the forward copy was not kept), the layer re-run under a tape and the weight
+        gradients reduce-scattered to the slices. ``states[i]`` gets the new states."""
+        devs, n = self.devices, self.n
+        idx, nidx, m = self._tidx[u], self._nidx[u], len(self._tidx[u])
+        used = [[states[i][j] for j in nidx] for i in range(n)]
+
+        def reads():
+            return [self._slices[i][j].value() for i in range(n) for j in idx]
+
+        def gather(shards):
+            per_var = [all_gather([shards[i * m + a] for i in range(n)], devs)
+                       for a in range(m)]
+            return [[per_var[a][i] for a in range(m)] for i in range(n)]
+
+        def run(i, h, full):
+            y, new, extra = self._run_unit(u, h, [self._unflat(f, j) for f, j in
+                                                  zip(full, idx, strict=True)], used[i])
+            if extra:
+                raise ValueError(f"layer {self.units[u].name} adds losses (a regularizer or "
+                                 "add_loss): stage 3 does not support that; use stage 1 or 2")
+            return y, new
+
+        def forward(ts):
+            full, out = gather(ts[n:]), []
+            for i, d in enumerate(devs):
+                with tf.device(d):
+                    y, new = run(i, ts[i], full[i])
+                for j, s in zip(nidx, new, strict=True):
+                    states[i][j] = s
+                out.append(y)
+            return out
+
+        def backward(dys):
+            full, dhs, dws = gather(reads()), [], []
+            for i, d in enumerate(devs):
+                with tf.device(d):
+                    with tf.GradientTape() as tape:
+                        tape.watch([hs[i], *full[i]])
+                        y, _ = run(i, hs[i], full[i])
+                    g = tape.gradient(y, [hs[i], *full[i]], output_gradients=dys[i],
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                dhs.append(g[0])
+                dws.append(g[1:])
+            parts = [reduce_scatter([dws[i][a] for i in range(n)], devs) for a in range(m)]
+            return dhs + [parts[a][i] for i in range(n) for a in range(m)]
+
+        return collective_op(f"ZeroStage3Layer{u}", list(hs) + reads(), devs, forward,
+                             backward)
