@@ -120,4 +120,5 @@ def local_sgd_runs(device_names: Sequence[str], everys: Sequence[int] = (1, 2, 4
                for t in range(steps)] for i in range(n)]
     params = [np.zeros((8, 4), np.float32), np.zeros(4, np.float32)]
     return {k: local_sgd(lambda p, xb: xb @ p[0] + p[1], squared_error, params, shards, devs,
-                         every=k, steps=steps, lr=lr, x_eval=x, y_eval=y) for k in everys}
+                         every=k, steps=steps, learning_rate=lr, x_eval=x, y_eval=y)
+            for k in everys}

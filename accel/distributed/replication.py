@@ -63,24 +63,25 @@ def _loss(params, x, y):
     return tf.reduce_mean(training.squared_error(y, models.mlp_apply(params, x)))
 
 
-def reference_sgd(init: list[np.ndarray], batches: list, lr: float) -> list[np.ndarray]:
+def reference_sgd(init: list[np.ndarray], batches: list, learning_rate: float) -> list[np.ndarray]:
     """Plain SGD on one device, one step per global batch: what synchronous runs must equal."""
     params = [tf.Variable(p) for p in init]
     for xb, yb in batches:
         with tf.GradientTape() as tape:
             loss = _loss(params, xb, yb)
         for p, g in zip(params, tape.gradient(loss, params), strict=True):
-            p.assign_sub(lr * g)
+            p.assign_sub(learning_rate * g)
     return [p.numpy() for p in params]
 
 
-def single_process(init: list[np.ndarray], batches: list, lr: float) -> RunResult:
+def single_process(init: list[np.ndarray], batches: list, learning_rate: float) -> RunResult:
     """The baseline: the same TF1 graph and SGD step on the global batch, one local session."""
     with tf.Graph().as_default():
         params = [tf.Variable(p) for p in init]
         xb = tf.compat.v1.placeholder(tf.float32, (None,) + batches[0][0].shape[1:])
         yb = tf.compat.v1.placeholder(tf.float32, (None,) + batches[0][1].shape[1:])
-        train = tf.compat.v1.train.GradientDescentOptimizer(lr).minimize(_loss(params, xb, yb))
+        sgd = tf.compat.v1.train.GradientDescentOptimizer(learning_rate)
+        train = sgd.minimize(_loss(params, xb, yb))
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             start = time.perf_counter()
@@ -115,7 +116,7 @@ def _config(filters: list[str], timeout_s: float = 120.0):
                                     operation_timeout_in_ms=int(timeout_s * 1000))
 
 
-def in_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: list, lr: float,
+def in_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: list, learning_rate: float,
              container: str = "in-graph") -> RunResult:
     """One client, one graph, a replica per worker; see the module docstring."""
     checks.one_of("mode", mode, MODES)
@@ -134,7 +135,7 @@ def in_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: list, lr
                 losses.append(_loss(params, xw, yw))
                 grads.append(tf.gradients(losses[-1], params))
                 feeds.append((xw, yw))
-        opt = tf.compat.v1.train.GradientDescentOptimizer(lr)
+        opt = tf.compat.v1.train.GradientDescentOptimizer(learning_rate)
         if mode == "sync":
             with tf.device(PS):
                 mean = [tf.add_n(list(g)) / n for g in zip(*grads, strict=True)]
@@ -185,8 +186,9 @@ def _data_queue(shapes: list[tuple], capacity: int):
                                   shapes=[(), *shapes], shared_name="data", name="data")
 
 
-def between_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: list, lr: float,
-                  container: str = "between-graph", timeout: float = 180.0) -> RunResult:
+def between_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: list,
+                  learning_rate: float, container: str = "between-graph",
+                  timeout: float = 180.0) -> RunResult:
     """A client process per worker; see the module docstring. The caller's process only fills
     the data queue on the ps, starts the clients, waits for them and reads the result."""
     checks.one_of("mode", mode, MODES)
@@ -204,7 +206,8 @@ def between_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: lis
         with tf.compat.v1.Session(target, config=_config(["/job:ps"])) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             sess.run(fill)
-    spec = {"cluster": cluster, "mode": mode, "container": container, "lr": lr,
+    spec = {"cluster": cluster, "mode": mode, "container": container,
+            "learning_rate": learning_rate,
             "sizes": [int(p.shape[0]) for p in init[::2]] + [int(init[-1].shape[0])],
             "shapes": [list(s) for s in shapes], "steps": len(batches)}
     children = [start_python(["-m", "accel.distributed.replication", "client",
@@ -247,7 +250,7 @@ def client(spec: dict) -> dict:
             read = version.read_value()
             loss = _loss(params, xb, yb)
             grads = tf.gradients(loss, params)
-            opt = tf.compat.v1.train.GradientDescentOptimizer(spec["lr"])
+            opt = tf.compat.v1.train.GradientDescentOptimizer(spec["learning_rate"])
             if mode == "async":
                 with tf.control_dependencies([read]):
                     apply = opt.apply_gradients(zip(grads, params, strict=True))

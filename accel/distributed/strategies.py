@@ -75,12 +75,12 @@ def shard_rows_by_hand(policy: str, files: int, records: int, workers: int,
             for w in range(workers)]
 
 
-def _spec(init, batches, lr, **extra) -> dict:
+def _spec(init, batches, learning_rate, **extra) -> dict:
     return {"init": [p.tolist() for p in init], "x": [b[0].tolist() for b in batches],
-            "y": [b[1].tolist() for b in batches], "lr": lr, **extra}
+            "y": [b[1].tolist() for b in batches], "learning_rate": learning_rate, **extra}
 
 
-def run_workers(init: list[np.ndarray], batches: list, lr: float, workers: int = 2,
+def run_workers(init: list[np.ndarray], batches: list, learning_rate: float, workers: int = 2,
                 host: str = "127.0.0.1", checkpoint_dir: str | None = None, every: int = 0,
                 shard_files: list[str] | None = None, pause_at: int | None = None,
                 hang: bool = False, timeout_seconds: float = 5.0, timeout: float = 180.0,
@@ -102,7 +102,7 @@ def run_workers(init: list[np.ndarray], batches: list, lr: float, workers: int =
         raise ValueError(f"pause_at must be a step in 1..{len(batches) - 1}, got {pause_at!r}")
     cluster = cluster or make_cluster(ps=0, workers=workers, host=host)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(_spec(init, batches, lr, checkpoint_dir=checkpoint_dir, every=every,
+        json.dump(_spec(init, batches, learning_rate, checkpoint_dir=checkpoint_dir, every=every,
                         shard_files=shard_files, pause_at=pause_at,
                         timeout_seconds=timeout_seconds), f)
     deadline = time.monotonic() + timeout
@@ -127,7 +127,7 @@ def run_workers(init: list[np.ndarray], batches: list, lr: float, workers: int =
         os.unlink(f.name)
 
 
-def fault_tolerant_run(init: list[np.ndarray], batches: list, lr: float, every: int,
+def fault_tolerant_run(init: list[np.ndarray], batches: list, learning_rate: float, every: int,
                        kill_after: int, timeout_seconds: float = 5.0, hang: bool = False,
                        host: str = "127.0.0.1", timeout: float = 240.0) -> dict:
     """Two workers checkpointing every ``every`` steps; the second is killed after step
@@ -138,10 +138,10 @@ def fault_tolerant_run(init: list[np.ndarray], batches: list, lr: float, every: 
     checks.positive_int("every", every)
     cluster = make_cluster(ps=0, workers=2, host=host)
     with tempfile.TemporaryDirectory() as ckpt:
-        first = run_workers(init, batches, lr, checkpoint_dir=ckpt, every=every,
+        first = run_workers(init, batches, learning_rate, checkpoint_dir=ckpt, every=every,
                             pause_at=kill_after, hang=hang, timeout_seconds=timeout_seconds,
                             timeout=timeout, cluster=cluster)
-        second = run_workers(init, batches, lr, checkpoint_dir=ckpt, every=every,
+        second = run_workers(init, batches, learning_rate, checkpoint_dir=ckpt, every=every,
                              timeout_seconds=timeout_seconds, timeout=timeout, cluster=cluster)
     return {"failure": first[0].get("error"), "resumed_from": second[0]["start"],
             "params": [[np.array(p, np.float32) for p in r["params"]] for r in second]}
@@ -213,7 +213,7 @@ def _worker(spec: dict) -> dict:
             grads = tf.distribute.get_replica_context().all_reduce(
                 "sum", tape.gradient(loss, params))
             for v, g in zip(params, grads, strict=True):
-                v.assign_sub(spec["lr"] * g)
+                v.assign_sub(spec["learning_rate"] * g)
         strategy.run(replica, (xb, yb))
         step_var.assign_add(1)
 

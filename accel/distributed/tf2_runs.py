@@ -32,9 +32,9 @@ from accel.procs import ChildFailed, report_and_linger, start_python, wait_for_r
 __all__ = ["coordinated_run", "mirrored_run"]
 
 
-def _spec(init, batches, lr) -> dict:
+def _spec(init, batches, learning_rate) -> dict:
     return {"init": [p.tolist() for p in init], "x": [b[0].tolist() for b in batches],
-            "y": [b[1].tolist() for b in batches], "lr": lr}
+            "y": [b[1].tolist() for b in batches], "learning_rate": learning_rate}
 
 
 def _wait_json(child, timeout: float, progress=None) -> dict:
@@ -59,15 +59,16 @@ def _spec_file(spec: dict) -> str:
     return f.name
 
 
-def coordinated_run(cluster: LocalCluster, init: list[np.ndarray], batches: list, lr: float,
-                    kill_worker_after: int | None = None, timeout: float = 240.0) -> dict:
+def coordinated_run(cluster: LocalCluster, init: list[np.ndarray], batches: list,
+                    learning_rate: float, kill_worker_after: int | None = None,
+                    timeout: float = 240.0) -> dict:
     """Train with ``ParameterServerStrategy`` on ``cluster`` (its ``chief`` task left to the
     coordinator process). Returns ``{"params", "scheduled", "applied", "killed"}``."""
     if "chief" not in cluster.cluster or ("chief", 0) not in cluster.skip:
         raise ValueError("the cluster needs a chief task that it does not start itself "
                          "(LocalCluster(chief=True, skip=[('chief', 0)])): the coordinator")
     victim = len(cluster.cluster["worker"]) - 1
-    path = _spec_file({**_spec(init, batches, lr), "kill_after": kill_worker_after,
+    path = _spec_file({**_spec(init, batches, learning_rate), "kill_after": kill_worker_after,
                        "victim": cluster.cluster["worker"][victim]})
     child = start_python(["-m", "accel.distributed.tf2_runs", "coordinator", path],
                          env={"TF_CONFIG": tf_config(cluster.cluster, "chief", 0)},
@@ -88,12 +89,12 @@ def coordinated_run(cluster: LocalCluster, init: list[np.ndarray], batches: list
     return {**report, "killed": [("worker", k) for k in killed]}
 
 
-def mirrored_run(init: list[np.ndarray], batches: list, lr: float, workers: int = 2,
+def mirrored_run(init: list[np.ndarray], batches: list, learning_rate: float, workers: int = 2,
                  host: str = "127.0.0.1", timeout: float = 240.0) -> list[list[np.ndarray]]:
     """Train with ``MultiWorkerMirroredStrategy`` in ``workers`` processes started with only
     ``TF_CONFIG``; returns each worker's final weights."""
     cluster = make_cluster(ps=0, workers=workers, host=host)
-    path = _spec_file(_spec(init, batches, lr))
+    path = _spec_file(_spec(init, batches, learning_rate))
     children = [start_python(["-m", "accel.distributed.tf2_runs", "mirrored", path],
                              env={"TF_CONFIG": tf_config(cluster, "worker", w)},
                              name=f"worker:{w}") for w in range(workers)]
@@ -133,7 +134,7 @@ def _coordinator(spec: dict) -> dict:
         with tf.GradientTape() as tape:
             loss = _loss_sum(params, xb, yb) / xs.shape[1]
         for v, g in zip(params, tape.gradient(loss, params), strict=True):
-            v.assign_sub(spec["lr"] * g)
+            v.assign_sub(spec["learning_rate"] * g)
         applied.assign_add(1)
 
     steps, half = len(xs), spec["kill_after"] or 0
@@ -164,7 +165,7 @@ def _mirrored(spec: dict) -> dict:
     n = strategy.num_replicas_in_sync
     with strategy.scope():
         params = [tf.Variable(np.array(p, np.float32)) for p in spec["init"]]
-    lr = spec["lr"]
+    learning_rate = spec["learning_rate"]
 
     @tf.function
     def step(xb, yb, global_batch):
@@ -174,7 +175,7 @@ def _mirrored(spec: dict) -> dict:
             grads = tf.distribute.get_replica_context().all_reduce(
                 "sum", tape.gradient(loss, params))
             for v, g in zip(params, grads, strict=True):
-                v.assign_sub(lr * g)
+                v.assign_sub(learning_rate * g)
         strategy.run(replica, (xb, yb))
 
     for xb, yb in zip(spec["x"], spec["y"], strict=True):

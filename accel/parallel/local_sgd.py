@@ -32,17 +32,17 @@ class LocalSGDResult:
     bytes_per_device: int
 
 
-def _sgd_step(model_fn, loss_fn, variables, x, y, lr, device) -> None:
+def _sgd_step(model_fn, loss_fn, variables, x, y, learning_rate, device) -> None:
     with tf.device(device):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(loss_fn(y, model_fn(variables, x)))
         for v, g in zip(variables, tape.gradient(loss, variables), strict=True):
-            v.assign_sub(lr * g)
+            v.assign_sub(learning_rate * g)
 
 
 def local_sgd(model_fn: Callable, loss_fn: Callable, params: Sequence[np.ndarray],
               shards: Sequence[Sequence[tuple]], devices: Sequence[str], *, every: int,
-              steps: int, lr: float, x_eval=None, y_eval=None) -> LocalSGDResult:
+              steps: int, learning_rate: float, x_eval=None, y_eval=None) -> LocalSGDResult:
     """Train ``model_fn(params, x)`` from ``params``: replica ``i`` on ``devices[i]`` takes step
     ``t`` on ``shards[i][t % len(shards[i])]`` (an ``(x, y)`` pair); after every ``every``
     steps the weights are averaged over the replicas by a ring all-reduce. ``steps`` must be a
@@ -51,8 +51,8 @@ def local_sgd(model_fn: Callable, loss_fn: Callable, params: Sequence[np.ndarray
     devices = collectives.check_devices(devices)
     checks.positive_int("every", every)
     checks.positive_int("steps", steps)
-    if checks.learning_rate(lr) is None:
-        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+    if checks.learning_rate(learning_rate) is None:
+        raise ValueError(f"learning_rate must be a number > 0, got {learning_rate!r}")
     if len(shards) != len(devices):
         raise ValueError(f"got {len(shards)} shards for {len(devices)} devices: one per device")
     if steps % every:
@@ -66,7 +66,7 @@ def local_sgd(model_fn: Callable, loss_fn: Callable, params: Sequence[np.ndarray
     for t in range(steps):
         for i, d in enumerate(devices):
             x, y = shards[i][t % len(shards[i])]
-            _sgd_step(model_fn, loss_fn, replicas[i], x, y, lr, d)
+            _sgd_step(model_fn, loss_fn, replicas[i], x, y, learning_rate, d)
         if (t + 1) % every:
             continue
         for k in range(len(params)):

@@ -35,7 +35,7 @@ def problem():
 def test_local_sgd_equals_averaged_numpy_runs(problem, four_devices, every):
     x, y, shards, params = problem
     got = local_sgd(linear, squared_error, params, shards, four_devices, every=every, steps=8,
-                    lr=LR, x_eval=x, y_eval=y)
+                    learning_rate=LR, x_eval=x, y_eval=y)
     w, b = [params[0].copy()] * 4, [params[1].copy()] * 4
     for t in range(8):
         for i in range(4):
@@ -52,7 +52,8 @@ def test_local_sgd_equals_averaged_numpy_runs(problem, four_devices, every):
 
 def test_every_one_is_sgd_on_the_whole_batch(problem, four_devices):
     x, y, shards, params = problem
-    got = local_sgd(linear, squared_error, params, shards, four_devices, every=1, steps=4, lr=LR)
+    got = local_sgd(linear, squared_error, params, shards, four_devices, every=1, steps=4,
+                    learning_rate=LR)
     w, b = params[0].copy(), params[1].copy()
     for t in range(4):
         xb = np.concatenate([shards[i][t][0] for i in range(4)])
@@ -65,9 +66,11 @@ def test_every_one_is_sgd_on_the_whole_batch(problem, four_devices):
 def test_bad_input_names_the_value(problem, four_devices):
     _, _, shards, params = problem
     with pytest.raises(ValueError, match="steps=6 is not a multiple of every=4"):
-        local_sgd(linear, squared_error, params, shards, four_devices, every=4, steps=6, lr=LR)
+        local_sgd(linear, squared_error, params, shards, four_devices, every=4, steps=6,
+                  learning_rate=LR)
     with pytest.raises(ValueError, match="got 3 shards for 4 devices"):
         local_sgd(linear, squared_error, params, shards[:3], four_devices, every=1, steps=1,
-                  lr=LR)
+                  learning_rate=LR)
     with pytest.raises(ValueError, match="every"):
-        local_sgd(linear, squared_error, params, shards, four_devices, every=0, steps=1, lr=LR)
+        local_sgd(linear, squared_error, params, shards, four_devices, every=0, steps=1,
+                  learning_rate=LR)
