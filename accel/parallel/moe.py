@@ -200,6 +200,7 @@ def moe_layer_sharded(xs: Sequence, gate_w, experts: Sequence, devices: Sequence
 
 
 # --------------------------------------------------------------------------- as a Keras layer
+@keras.saving.register_keras_serializable("accel")
 class MoE(keras.layers.Layer):
     """A mixture-of-experts MLP as a Keras layer, its experts spread over ``devices``: put it
     where a transformer block has its MLP (``x + MoE(...)(norm(x))``).
