@@ -24,7 +24,8 @@ a notebook kernel or a test runner. Here:
   ``ModelParallel``, ``DataParallel``, on the devices each run names) in **one** separate client
   process (``python -m accel.distributed.keras_remote SPEC``) that connects to the cluster.
   The model travels as a ``.keras`` file (``model.save``; a custom layer must be registered with
-  ``keras.saving.register_keras_serializable`` in a module listed in ``imports``), the data as
+  ``keras.saving.register_keras_serializable`` in a module or ``.py`` file listed in
+  ``imports``, which the client imports first), the data as
   ``.npz``; each run starts from the model's weights as given. Returns one ``RemoteFit`` per run:
   the trained weights, the loss per epoch, where each working variable and optimizer slot lives,
   which ops each device ran (the placed graphs of the form's ``tf.function`` steps, from
@@ -35,6 +36,7 @@ a notebook kernel or a test runner. Here:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -317,9 +319,22 @@ def _fit_one(request: dict, k: int, run: dict, x, y) -> dict:
             "device_orders": [[list(t) for t in o] for o in orders]}
 
 
+def _import(module: str) -> None:
+    """Import a module by name, or a ``.py`` file by its path (as a module of its stem)."""
+    if not module.endswith(".py"):
+        importlib.import_module(module)
+        return
+    name = os.path.splitext(os.path.basename(module))[0]
+    spec = importlib.util.spec_from_file_location(name, module)
+    if spec is None or not os.path.exists(module):
+        raise ValueError(f"imports: no Python file at {module!r}")
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[name])
+
+
 def _client(request: dict) -> dict:
     for module in request["imports"]:
-        importlib.import_module(module)
+        _import(module)
     start = time.perf_counter()
     devices = connect(request["cluster"], request["connect_timeout"])
     print(f"connected in {time.perf_counter() - start:.2f} s", file=sys.stderr)

@@ -27,11 +27,33 @@ RUNS = [({"form": "pipeline", "devices": [W0, W1], "schedule": "1f1b", "num_micr
         ({"form": "data", "devices": [W0, W1]}, "sgd_momentum")]
 
 
+@keras.saving.register_keras_serializable("accel_tests_remote")
+class Residual(keras.layers.Layer):
+    """A layer the library does not know: ``x + tanh(x @ w + b)``, rebuilt in the client from
+    its config (the client imports this file first: ``imports=[__file__]``)."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.inner = keras.layers.Dense(units, activation="tanh", dtype=self.dtype_policy)
+
+    def build(self, input_shape):
+        self.inner.build(input_shape)
+
+    def call(self, x):
+        return x + self.inner(x)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
 def mlp():
+    """Dense, Residual, Dense | Dense, Dense (a 2-stage split puts the first three on worker 0)."""
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((6,), dtype="float64")] + [
-        keras.layers.Dense(n, activation=a, dtype="float64", name=f"l{i}")
-        for i, (n, a) in enumerate([(16, "relu"), (16, "tanh"), (12, "relu"), (3, None)])])
+    dense = [keras.layers.Dense(n, activation=a, dtype="float64", name=f"l{i}")
+             for i, (n, a) in enumerate([(16, "relu"), (16, "tanh"), (12, "relu"), (3, None)])]
+    return keras.Sequential([keras.Input((6,), dtype="float64"), dense[0],
+                             Residual(16, dtype="float64", name="res"), *dense[1:]])
 
 
 def keras_on_one_device(model, optimizer, x, y):
@@ -47,14 +69,15 @@ def task_of(device: str) -> str:
     return device.split("/replica:")[0] + "/task:" + device.split("/task:")[1].split("/")[0]
 
 
+@pytest.mark.slow  # a cluster and a client process (about 20 s)
 def test_keras_forms_on_two_worker_tasks_equal_keras_on_one_device(cluster):
     model = mlp()
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(BATCH * STEPS, 6)), rng.normal(size=(BATCH * STEPS, 3))
     before = [w.copy() for w in model.get_weights()]
     runs = [{**run, "optimizer": OPTIMIZERS[opt]()} for run, opt in RUNS]
-    results = KR.fit_on_cluster(cluster, model, x, y, runs, loss="mse",
-                                optimizer="adam", batch_size=BATCH)
+    results = KR.fit_on_cluster(cluster, model, x, y, runs, loss="mse", optimizer="adam",
+                                batch_size=BATCH, imports=[__file__])
     for a, b in zip(model.get_weights(), before, strict=True):
         np.testing.assert_array_equal(a, b)  # the caller's model is not touched
     workers = {"/job:worker/task:0", "/job:worker/task:1"}
@@ -74,8 +97,8 @@ def test_keras_forms_on_two_worker_tasks_equal_keras_on_one_device(cluster):
         slot_tasks = {task_of(d) for p, d in res.slots if not p.endswith(("iteration",
                                                                           "learning_rate"))}
         assert slot_tasks == held, (what, res.slots)
-        if run["form"] in ("pipeline", "model"):  # layers l0, l1 on worker 0; l2, l3 on worker 1
-            assert var_tasks == ["/job:worker/task:0"] * 4 + ["/job:worker/task:1"] * 4, what
+        if run["form"] in ("pipeline", "model"):  # l0, res, l1 on worker 0; l2, l3 on worker 1
+            assert var_tasks == ["/job:worker/task:0"] * 6 + ["/job:worker/task:1"] * 4, what
         if run["form"] == "tensor":  # shard i of each split kernel on worker i
             for path, device in res.variables:
                 if path.rsplit("/", 1)[-1].startswith("kernel_"):
