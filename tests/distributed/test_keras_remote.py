@@ -100,9 +100,10 @@ def test_keras_forms_on_two_worker_tasks_equal_keras_on_one_device(cluster):
         if run["form"] in ("pipeline", "model"):  # l0, res, l1 on worker 0; l2, l3 on worker 1
             assert var_tasks == ["/job:worker/task:0"] * 6 + ["/job:worker/task:1"] * 4, what
         if run["form"] == "tensor":  # shard i of each split kernel on worker i
-            for path, device in res.variables:
-                if path.rsplit("/", 1)[-1].startswith("kernel_"):
-                    assert task_of(device) == f"/job:worker/task:{path[-1]}", (path, device)
+            shards = [(p, d) for p, d in res.variables if p.rsplit("/", 1)[-1][:-1] == "kernel_"]
+            assert len(shards) == 8, res.variables
+            for path, device in shards:
+                assert task_of(device) == f"/job:worker/task:{path[-1]}", (path, device)
         if run["form"] == "pipeline":  # each worker ran its stage's tasks in the schedule's order
             expected = device_orders(make_schedule(run["schedule"], 2, 2), 2)
             assert res.device_orders == expected, what
@@ -110,6 +111,8 @@ def test_keras_forms_on_two_worker_tasks_equal_keras_on_one_device(cluster):
         else:  # the placed graphs of the form's steps: matrix products on both worker tasks
             matmul_tasks = {task_of(d) for d, ops in res.op_devices.items() if "MatMul" in ops}
             assert workers <= matmul_tasks, (what, res.op_devices)
+            receives = {task_of(d) for d, ops in res.op_devices.items() if "_Recv" in ops}
+            assert workers <= receives, (what, res.op_devices)  # tensors crossed between tasks
     assert results[0].device_orders != results[1].device_orders  # 1F1B is not GPipe
 
 
