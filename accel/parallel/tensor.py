@@ -25,6 +25,7 @@ weight paths to layouts) into a Keras model you compile and ``fit``, then ``writ
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 import keras
@@ -45,7 +46,7 @@ __all__ = ["SPLIT_AXES", "init_block", "mlp", "block", "layer_norm", "attention"
            "unshard", "to_variables", "copy_to_shards", "reduce_from_shards",
            "gather_from_shards", "column_parallel_dense", "row_parallel_dense", "tp_mlp",
            "tp_block", "all_reduces_per_step", "bytes_per_step", "ColumnParallelDense",
-           "RowParallelDense", "TensorParallel"]
+           "RowParallelDense", "HeadParallelAttention", "TensorParallel"]
 
 # how each parameter is split: axis of the split, or None = replicated on every device
 SPLIT_AXES: dict[str, int | None] = {
@@ -287,12 +288,8 @@ class _ShardedDense(keras.layers.Layer):
     def __init__(self, units: int, devices: Sequence[str], activation=None,
                  use_bias: bool = True, **kwargs):
         super().__init__(**kwargs)
-        from accel.devices import parse_device
-
         self.units = checks.positive_int("units", units)
-        self.devices = [parse_device(d).to_string() for d in devices]
-        if len(self.devices) < 1 or len(set(self.devices)) != len(self.devices):
-            raise ValueError(f"devices must name one or more distinct devices, got {devices!r}")
+        self.devices = _device_names(devices)
         self.activation = keras.activations.get(activation)
         self.use_bias = use_bias
 
@@ -424,67 +421,348 @@ class RowParallelDense(_ShardedDense):
         return out + ([self.bias.numpy()] if self.use_bias else [])
 
 
-class TensorParallel:
-    """A Keras ``Sequential``'s ``Dense`` layers converted to column- / row-parallel ones by
-    rules, in the spirit of Keras 3's ``LayoutMap``: ``rules`` maps a regular expression,
-    searched in each layer's name, to ``"column"`` or ``"row"`` (the first rule that matches
-    wins; unmatched layers are copied as they are, their variables on ``devices[0]``).
+class HeadParallelAttention(keras.layers.Layer):
+    """``keras.layers.MultiHeadAttention(num_heads, key_dim)`` with its heads split over
+    ``devices``. Device ``i`` holds the heads ``i*h .. (i+1)*h - 1`` (``h = num_heads /
+    len(devices)``): their query, key and value kernels ``(width, h, key_dim)`` and biases
+    ``(h, key_dim)`` and the rows of the output projection that read them ``(h, key_dim,
+    width)``; it computes those heads' attention (``softmax(q k^T / sqrt(key_dim)) v``) and its
+    partial output projection, forward and backward on that device. The partial outputs are added
+    on ``devices[0]``, where the output bias is added once (a Keras layer has one output, so this
+    is a reduce; the all-reduce form is ``tp_block``).
 
-    ``tp = TensorParallel(model, devices, {"up": "column", "down": "row"})``; ``tp.model`` is
-    a Keras model holding the same weights, sharded: ``tp.compile(optimizer, loss)`` (Keras's
-    ``compile`` with ``jit_compile=False``, since XLA would compile every device's ops into one
-    cluster and drop their placement, and the optimizer's slots built beside their variables),
-    then ``tp.model.fit(...)`` with its progress bar, ``History`` and callbacks;
-    ``tp.write_back()`` puts the trained weights into ``model`` (full kernels gathered from the
-    shards). A column layer directly followed by a row layer hands
-    its column slices straight over (Megatron's MLP); otherwise it gathers them."""
+    Called as ``MultiHeadAttention`` is: ``layer(query, value, key=None, training=None)`` on
+    ``[batch, seq, features]`` inputs (self-attention: ``query`` is ``value``). Supported: no
+    attention mask, no causal mask, no returned scores, dropout 0, ``value_dim == key_dim``, the
+    default attention axis and output shape (``HeadParallelAttention.from_attention`` refuses
+    other MultiHeadAttention settings). ``set_full_weights(*mha.get_weights())`` loads a
+    MultiHeadAttention's weights; ``full_weights()`` returns them in its ``get_weights()`` order
+    (query kernel, bias, key kernel, bias, value kernel, bias, output kernel, bias)."""
+
+    _PROJECTIONS = ("query", "key", "value")
+
+    def __init__(self, num_heads: int, key_dim: int, devices: Sequence[str],
+                 use_bias: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = checks.positive_int("num_heads", num_heads)
+        self.key_dim = checks.positive_int("key_dim", key_dim)
+        self.devices = _device_names(devices)
+        self.heads_per_device = _split_sizes(self.num_heads, len(self.devices), "num_heads")
+        self.use_bias = use_bias
+
+    @classmethod
+    def from_attention(cls, mha, devices: Sequence[str]) -> HeadParallelAttention:
+        """An (unbuilt) head-split copy of ``mha``'s configuration; ``ValueError`` for the
+        MultiHeadAttention settings this layer does not compute."""
+        if not isinstance(mha, keras.layers.MultiHeadAttention):
+            raise ValueError(f"{mha.name} is a {type(mha).__name__}, not a MultiHeadAttention")
+        cfg = mha.get_config()
+        bad = {"value_dim": cfg.get("value_dim") not in (None, cfg["key_dim"]),
+               "dropout": bool(cfg.get("dropout")), "output_shape": bool(cfg.get("output_shape")),
+               "attention_axes": cfg.get("attention_axes") not in (None, 1, (1,), [1]),
+               "use_gate": bool(cfg.get("use_gate")),
+               "sliding_window": cfg.get("sliding_window") is not None}
+        bad.update({k: cfg.get(k) is not None for k in (
+            "kernel_regularizer", "bias_regularizer", "activity_regularizer",
+            "kernel_constraint", "bias_constraint")})
+        unsupported = {k: cfg.get(k) for k, is_bad in bad.items() if is_bad}
+        if unsupported:
+            raise ValueError(f"MultiHeadAttention {mha.name} has {unsupported}: the head-split "
+                             "layer supports value_dim == key_dim, dropout 0, the default "
+                             "attention axis and output shape, no gate, sliding window, "
+                             "regularizers or constraints")
+        if cfg["num_heads"] % len(devices):
+            raise ValueError(f"{mha.name}: num_heads={cfg['num_heads']} is not a multiple of the "
+                             f"{len(devices)} devices")
+        return cls(cfg["num_heads"], cfg["key_dim"], devices, use_bias=cfg["use_bias"],
+                   name=f"{mha.name}_heads", dtype=cfg["dtype"], trainable=cfg["trainable"])
+
+    def build(self, query_shape, value_shape, key_shape=None):
+        key_shape = value_shape if key_shape is None else key_shape
+        if len(query_shape) != 3 or len(value_shape) != 3 or len(key_shape) != 3:
+            raise ValueError(f"{self.name} takes [batch, seq, features] inputs, got query "
+                             f"{tuple(query_shape)}, value {tuple(value_shape)}, key "
+                             f"{tuple(key_shape)}")
+        widths = {"query": int(query_shape[-1]), "key": int(key_shape[-1]),
+                  "value": int(value_shape[-1])}
+        self.width, h = widths["query"], self.heads_per_device
+        self.shards = []
+        for i, d in enumerate(self.devices):
+            shard = {}
+            with tf.device(d):
+                for p in self._PROJECTIONS:
+                    shard[f"{p}_kernel"] = self.add_weight(
+                        shape=(widths[p], h, self.key_dim), initializer="glorot_uniform",
+                        name=f"{p}_kernel_{i}")
+                    if self.use_bias:
+                        shard[f"{p}_bias"] = self.add_weight(
+                            shape=(h, self.key_dim), initializer="zeros", name=f"{p}_bias_{i}")
+                shard["output_kernel"] = self.add_weight(
+                    shape=(h, self.key_dim, self.width), initializer="glorot_uniform",
+                    name=f"output_kernel_{i}")
+            self.shards.append(shard)
+        if self.use_bias:
+            with tf.device(self.devices[0]):
+                self.output_bias = self.add_weight(shape=(self.width,), initializer="zeros",
+                                                   name="output_bias")
+
+    def _heads(self, i: int, query, value, key):
+        """Device ``i``'s heads: their attention and their part of the output projection."""
+        s = self.shards[i]
+
+        def project(x, p):
+            y = tf.einsum("btw,wnh->btnh", x, s[f"{p}_kernel"].value)
+            return y + s[f"{p}_bias"].value if self.use_bias else y
+
+        q, k, v = project(query, "query"), project(key, "key"), project(value, "value")
+        logits = tf.einsum("btnh,bsnh->bnts", q, k)
+        if logits.dtype.size < 4:  # as Keras: the softmax in float32 at least
+            logits = tf.cast(logits, tf.float32)
+        # 1 / sqrt(key_dim) rounded to float32, as Keras's tf.cast of the Python float does
+        scale = float(np.float32(1.0 / np.sqrt(self.key_dim)))
+        probs = tf.nn.softmax(logits * scale, axis=-1)
+        o = tf.einsum("bnts,bsnh->btnh", tf.cast(probs, v.dtype), v)
+        return tf.einsum("btnh,nhw->btw", o, s["output_kernel"].value)
+
+    def call(self, query, value, key=None, attention_mask=None, use_causal_mask=False,
+             return_attention_scores=False, training=None):
+        if attention_mask is not None or use_causal_mask or return_attention_scores:
+            raise ValueError(f"{self.name}: attention_mask, use_causal_mask and "
+                             "return_attention_scores are not supported by the head-split "
+                             "attention (give neither)")
+        key = value if key is None else key
+        # each distinct tensor once: given the same tensor twice, on_device's inner tape would
+        # return its whole gradient for each, and the sum would count it twice
+        inputs: list = []
+        for t in (query, value, key):
+            if not any(t is u for u in inputs):
+                inputs.append(t)
+        at = [next(j for j, u in enumerate(inputs) if t is u) for t in (query, value, key)]
+        partial = [on_device(lambda *ts, i=i: self._heads(i, *(ts[j] for j in at)), d, *inputs)
+                   for i, d in enumerate(self.devices)]
+        with tf.device(self.devices[0]):
+            y = tf.add_n(partial) if len(partial) > 1 else partial[0]
+            return y + self.output_bias.value if self.use_bias else y
+
+    def compute_output_spec(self, query, value, key=None, **kwargs):
+        return keras.KerasTensor(tuple(query.shape), dtype=self.compute_dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "num_heads": self.num_heads, "key_dim": self.key_dim,
+                "devices": self.devices, "use_bias": self.use_bias}
+
+    def set_full_weights(self, *weights) -> None:
+        """Load a MultiHeadAttention's weights (``get_weights()`` order): device ``i`` gets its
+        heads' query/key/value kernels and biases and its rows of the output kernel."""
+        names = [f"{p}_{w}" for p in (*self._PROJECTIONS, "output")
+                 for w in ("kernel", "bias") if self.use_bias or w == "kernel"]
+        if len(weights) != len(names):
+            raise ValueError(f"{self.name} takes {len(names)} arrays ({names}), got "
+                             f"{len(weights)}")
+        full = dict(zip(names, (np.asarray(w) for w in weights), strict=True))
+        h = self.heads_per_device
+        for i, shard in enumerate(self.shards):
+            heads = slice(i * h, (i + 1) * h)
+            for name, var in shard.items():
+                axis = {"kernel": 1, "bias": 0}[name.rsplit("_", 1)[1]]
+                if name == "output_kernel":
+                    axis = 0
+                var.assign(full[name][(slice(None),) * axis + (heads,)])
+        if self.use_bias:
+            self.output_bias.assign(full["output_bias"])
+
+    def full_weights(self) -> list[np.ndarray]:
+        """The weights as one MultiHeadAttention holds them (its ``get_weights()`` order)."""
+        out = []
+        for p in self._PROJECTIONS:
+            out.append(np.concatenate([s[f"{p}_kernel"].numpy() for s in self.shards], axis=1))
+            if self.use_bias:
+                out.append(np.concatenate([s[f"{p}_bias"].numpy() for s in self.shards]))
+        out.append(np.concatenate([s["output_kernel"].numpy() for s in self.shards], axis=0))
+        return out + ([self.output_bias.numpy()] if self.use_bias else [])
+
+
+# what each rule kind converts, and into what
+_KINDS = {"column": keras.layers.Dense, "row": keras.layers.Dense,
+          "heads": keras.layers.MultiHeadAttention}
+_DENSE_UNSUPPORTED = ("kernel_regularizer", "bias_regularizer", "activity_regularizer",
+                      "kernel_constraint", "bias_constraint", "lora_rank")
+
+
+def _sublayers(layer) -> list[tuple[str, keras.layers.Layer]]:
+    """The sublayers ``layer`` holds in public attributes, in the order they were assigned."""
+    return [(name, value) for name, value in vars(layer).items()
+            if not name.startswith("_") and isinstance(value, keras.layers.Layer)]
+
+
+def _parallel_layer(layer, kind: str, devices: Sequence[str], gather_output: bool = True):
+    """The unbuilt column-, row- or head-parallel layer for ``layer``."""
+    if kind == "heads":
+        return HeadParallelAttention.from_attention(layer, devices)
+    cfg = layer.get_config()
+    unsupported = {k: cfg[k] for k in _DENSE_UNSUPPORTED if cfg.get(k) is not None}
+    if unsupported:
+        raise ValueError(f"Dense {layer.name} has {unsupported}: the {kind}-parallel Dense "
+                         "supports none of these")
+    common = {"units": cfg["units"], "devices": devices, "activation": cfg["activation"],
+              "use_bias": cfg["use_bias"], "name": f"{layer.name}_{kind}",
+              "dtype": cfg["dtype"], "trainable": cfg["trainable"]}
+    if kind == "column":
+        return ColumnParallelDense(gather_output=gather_output, **common)
+    return RowParallelDense(**common)
+
+
+class TensorParallel:
+    """A Keras ``Sequential``'s layers converted to tensor-parallel ones by rules, in the spirit
+    of Keras 3's ``LayoutMap``: ``rules`` maps a regular expression to a kind, ``"column"`` or
+    ``"row"`` for a ``Dense`` (``ColumnParallelDense`` / ``RowParallelDense``) and ``"heads"`` for
+    a ``MultiHeadAttention`` (``HeadParallelAttention``). The first rule whose pattern is found
+    (``re.search``) in a layer's **path** wins; unmatched layers are copied as they are, their
+    variables on ``devices[0]``.
+
+    A layer's path is its attribute path: a top-level layer's name (``"up1"``), then for a
+    sublayer held in a public attribute of a block layer, ``/`` and the attribute name
+    (``"block/attn"``, ``"block_1/up"``, deeper nesting likewise). Keras's own variable paths
+    name sublayers by generated names (``sequential/block/dense_1/kernel``) that depend on how
+    many layers the process has made, so the rules match the names the block's code gives.
+
+    A block layer with matching sublayers is rebuilt from its config (``from_config``, public
+    Keras API: it must have ``get_config``) and its sublayers are replaced, before it is built,
+    by the parallel ones (Keras tracks a sublayer assigned to an attribute, so their variables are
+    the block's and the model's and the optimizer trains them; the replaced, never-built
+    originals hold no variables). Sublayers a block creates in ``build`` cannot be replaced
+    (``ValueError``). Every converted layer is checked once, on random input, to compute what
+    the original does.
+
+    A ``"column"`` layer directly followed by a ``"row"`` one hands its column slices straight
+    over, without a gather (Megatron's MLP): in the Sequential when they are neighbours, in a
+    block when the row layer is the next sublayer attribute after the column one and the block,
+    run once with the slices handed over, gives the original's output; otherwise (the block uses
+    the column output elsewhere) the column layer gathers its output. ``handoffs`` lists the
+    (column path, row path) pairs that hand over.
+
+    ``tp = TensorParallel(model, devices, {"attn$": "heads", "/up$": "column", "/down$": "row"})``;
+    ``tp.model`` is a Keras model holding the same weights, sharded: ``tp.compile(optimizer,
+    loss)`` (Keras's ``compile`` with ``jit_compile=False``, since XLA would compile every
+    device's ops into one cluster and drop their placement, and the optimizer's slots built
+    beside their variables), then ``tp.model.fit(...)`` with its progress bar, ``History`` and
+    callbacks; ``tp.write_back()`` puts the trained weights into ``model`` (full kernels gathered
+    from the shards). ``kinds`` maps each converted path to its kind, ``parallel_layers`` each
+    converted path to its parallel layer, ``layers`` are ``tp.model``'s layers."""
 
     def __init__(self, model, devices: Sequence[str], rules: Mapping[str, str]):
         import re
 
-        from accel.devices import parse_device
         from accel.parallel import keras_model as km
 
         layers = km.sequential_layers(model)
-        self.devices = [parse_device(d).to_string() for d in devices]
+        self.devices = _device_names(devices)
         compiled = []
         for pattern, kind in rules.items():
-            checks.one_of(f"rules[{pattern!r}]", kind, ("column", "row"))
+            checks.one_of(f"rules[{pattern!r}]", kind, tuple(_KINDS))
             compiled.append((re.compile(pattern), kind))
-        kinds = []
+        self.kinds: dict[str, str] = {}
+        paths: list[str] = []
+
+        def match(layer, path):
+            paths.append(path)
+            kind = next((k for p, k in compiled if p.search(path)), None)
+            if kind is None:
+                for name, child in _sublayers(layer):
+                    match(child, f"{path}/{name}")
+            elif type(layer) is not _KINDS[kind]:
+                raise ValueError(f"rule for {kind!r} matches {path} ({type(layer).__name__}): "
+                                 f"{kind!r} splits a {_KINDS[kind].__name__}")
+            else:
+                self.kinds[path] = kind
+
         for layer in layers:
-            kind = next((k for p, k in compiled if p.search(layer.name)), None)
-            if kind is not None and type(layer) is not keras.layers.Dense:
-                raise ValueError(f"rule for {kind}-parallel matches layer {layer.name} "
-                                 f"({type(layer).__name__}): only Dense layers can be split")
-            kinds.append(kind)
-        if not any(kinds):
-            raise ValueError(f"no layer name matches the rules {list(rules)}: layers are "
-                             f"{[la.name for la in layers]}")
-        self.original, self.kinds = layers, kinds
+            match(layer, layer.name)
+        if not self.kinds:
+            raise ValueError(f"no layer path matches the rules {list(rules)}: the paths are "
+                             f"{paths}")
+        self.original, self.handoffs, self.parallel_layers = layers, [], {}
+        self._leaves: list[list] = []  # per top-level layer: (original, parallel, path)
+        dtype = model.inputs[0].dtype
+        x = tf.constant(np.random.default_rng(0).normal(size=(2, *km.input_shape_of(model))),
+                        dtype=dtype)
         new = []
         with tf.device(self.devices[0]):
-            for i, (layer, kind) in enumerate(zip(layers, kinds, strict=True)):
-                if kind is None:
-                    new.append(layer.__class__.from_config(layer.get_config()))
-                    continue
-                cfg = layer.get_config()
-                common = {"units": cfg["units"], "devices": self.devices,
-                          "activation": cfg["activation"], "use_bias": cfg["use_bias"],
-                          "name": f"{layer.name}_{kind}", "dtype": cfg["dtype"]}
-                if kind == "column":
-                    feeds_row = i + 1 < len(kinds) and kinds[i + 1] == "row"
-                    new.append(ColumnParallelDense(gather_output=not feeds_row, **common))
-                else:
-                    new.append(RowParallelDense(**common))
-            self.model = keras.Sequential([keras.Input(km.input_shape_of(model),
-                                                       dtype=model.inputs[0].dtype), *new])
-        for layer, copy, kind in zip(layers, new, kinds, strict=True):
-            if kind is None:
-                copy.set_weights(layer.get_weights())
-            else:
-                copy.set_full_weights(*layer.get_weights())
+            x_par = x
+            for i, layer in enumerate(layers):
+                feeds_row = i + 1 < len(layers) and self.kinds.get(layers[i + 1].name) == "row"
+                x_ref = layer(x, training=False)
+                copy, leaves, handoffs = self._convert(layer, x_par, handoff=True,
+                                                       feeds_row=feeds_row)
+                y = None if handoffs is None else copy(x_par, training=False)
+                if handoffs is None or (handoffs and not _close(y, x_ref)):
+                    copy, leaves, handoffs = self._convert(layer, x_par, handoff=False)
+                    y = copy(x_par, training=False)
+                if feeds_row and layer.name in self.kinds:
+                    handoffs = [(layer.name, layers[i + 1].name)]
+                if not isinstance(y, tuple) and not _close(y, x_ref):
+                    raise ValueError(f"the converted {layer.name} does not compute what the "
+                                     "original does on random input (its call uses a replaced "
+                                     "sublayer in a way the parallel layer does not support)")
+                self.handoffs += handoffs
+                self._leaves.append(leaves)
+                self.parallel_layers.update({p: c for _, c, p in leaves})
+                new.append(copy)
+                x, x_par = x_ref, y
+            self.model = keras.Sequential([keras.Input(km.input_shape_of(model), dtype=dtype),
+                                           *new])
         self.layers = new
+
+    def _convert(self, layer, x, handoff: bool, feeds_row: bool = False):
+        """``(copy, leaves, handoffs)``: ``layer``'s copy, built on ``x`` and holding its weights,
+        with the matching (sub)layers parallel; ``handoffs`` is ``None`` when the copy with
+        slices handed over failed to run."""
+        path = layer.name
+        if path in self.kinds:
+            copy = _parallel_layer(layer, self.kinds[path], self.devices, not feeds_row)
+            leaves, handoffs = [(layer, copy, path)], []
+        else:
+            copy = layer.__class__.from_config(layer.get_config())
+            leaves, handoffs = [], []
+            self._swap(layer, copy, path, handoff, leaves, handoffs)
+        try:
+            with warnings.catch_warnings():  # about the replaced sublayers, never built
+                warnings.filterwarnings("ignore", message=".*does not have a `build",
+                                        category=UserWarning)
+                copy(x, training=False)  # builds the rest, here
+        except Exception:
+            if not handoffs:
+                raise
+            return copy, leaves, None
+        _transfer(layer, copy, leaves, to_copy=True)
+        return copy, leaves, handoffs
+
+    def _swap(self, orig, copy, path, handoff, leaves, handoffs) -> None:
+        """Replace ``copy``'s sublayers whose paths match by parallel ones (recursively)."""
+        children = _sublayers(orig)
+        for j, (name, child) in enumerate(children):
+            sub = f"{path}/{name}"
+            target = getattr(copy, name, None)
+            if not isinstance(target, keras.layers.Layer):
+                if sub in self.kinds or any(p.startswith(sub + "/") for p in self.kinds):
+                    raise ValueError(f"{sub}: the {type(copy).__name__} rebuilt from its config "
+                                     f"has no sublayer {name!r} before it is built (made in "
+                                     "build()?), so it cannot be replaced")
+                continue
+            kind = self.kinds.get(sub)
+            if kind is None:
+                if any(p.startswith(sub + "/") for p in self.kinds):
+                    self._swap(child, target, sub, handoff, leaves, handoffs)
+                continue
+            nxt = f"{path}/{children[j + 1][0]}" if j + 1 < len(children) else None
+            feeds = handoff and kind == "column" and self.kinds.get(nxt) == "row"
+            new = _parallel_layer(child, kind, self.devices, gather_output=not feeds)
+            with keras.name_scope(copy.name):  # its variables' paths, as the block's own
+                _build_like(new, child)
+            setattr(copy, name, new)  # Keras tracks it: its variables are the block's
+            leaves.append((child, new, sub))
+            if feeds:
+                handoffs.append((sub, nxt))
 
     def compile(self, optimizer, loss, **kwargs) -> None:
         """``self.model.compile`` with ``jit_compile=False``, the optimizer built first, here,
@@ -501,5 +779,52 @@ class TensorParallel:
 
     def write_back(self) -> None:
         """The trained weights into the original model (shards gathered into full kernels)."""
-        for layer, copy, kind in zip(self.original, self.layers, self.kinds, strict=True):
-            layer.set_weights(copy.get_weights() if kind is None else copy.full_weights())
+        for layer, copy, leaves in zip(self.original, self.layers, self._leaves, strict=True):
+            _transfer(layer, copy, leaves, to_copy=False)
+
+
+def _device_names(devices: Sequence[str]) -> list[str]:
+    from accel.devices import parse_device
+
+    names = [parse_device(d).to_string() for d in devices]
+    if len(names) < 1 or len(set(names)) != len(names):
+        raise ValueError(f"devices must name one or more distinct devices, got {devices!r}")
+    return names
+
+
+def _build_like(parallel, layer) -> None:
+    """Build a parallel layer for the input widths of the built ``layer`` it replaces, here
+    (eagerly: a block without ``build`` is built by Keras tracing its call in a stateless scope,
+    whose variables are created when the trace ends, outside each shard's device scope)."""
+    if isinstance(parallel, HeadParallelAttention):
+        q, k, v = (layer.get_weights()[i].shape[0] for i in ((0, 2, 4) if layer.use_bias
+                                                             else (0, 1, 2)))
+        parallel.build((None, None, q), (None, None, v), (None, None, k))
+    else:
+        parallel.build((None, layer.get_weights()[0].shape[0]))
+
+
+def _close(y, ref) -> bool:
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    scale = max(np.abs(ref).max(), 1e-30)
+    return y.shape == ref.shape and bool(np.allclose(y, ref, rtol=1e-3, atol=1e-3 * scale))
+
+
+def _transfer(layer, copy, leaves, to_copy: bool) -> None:
+    """Weights between a top-level layer and its copy: each converted (sub)layer's full weights,
+    and every other variable in order (the copy's replaced originals hold none)."""
+    mine = {id(w) for orig, _, _ in leaves for w in orig.weights}
+    theirs = {id(w) for _, par, _ in leaves for w in par.weights}
+    rest = [w for w in layer.weights if id(w) not in mine]
+    rest_copy = [w for w in copy.weights if id(w) not in theirs]
+    shapes = [tuple(w.shape) for w in rest], [tuple(w.shape) for w in rest_copy]
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"{layer.name}'s copy holds other variables than the original "
+                         f"({shapes[1]} vs {shapes[0]})")
+    for w, c in zip(rest, rest_copy, strict=True):
+        (c.assign(w.numpy()) if to_copy else w.assign(c.numpy()))
+    for orig, par, _ in leaves:
+        if to_copy:
+            par.set_full_weights(*orig.get_weights())
+        else:
+            orig.set_weights(par.full_weights())

@@ -111,10 +111,162 @@ def test_layers_alone_and_bad_rules(four_devices):
     np.testing.assert_allclose(out.numpy(), ref(y).numpy(), rtol=1e-12)
     with pytest.raises(ValueError, match="units=6 does not split evenly over 4 devices"):
         tp.ColumnParallelDense(6, four_devices)
-    with pytest.raises(ValueError, match="no layer name matches the rules"):
+    with pytest.raises(ValueError, match="no layer path matches the rules"):
         tp.TensorParallel(mlp(), devices, {"^attn": "column"})
     with pytest.raises(ValueError, match=r"rules\['\^up'\] must be one of"):
         tp.TensorParallel(mlp(), devices, {"^up": "columns"})
     par = tp.TensorParallel(mlp(), devices, RULES)
     with pytest.raises(ValueError, match="jit_compile=True"):
         par.compile("adam", "mse", jit_compile=True)
+
+
+# ------------------------------------------------------------------ the transformer: heads + MLP
+BLOCK_RULES = {"attn$": "heads", "/up$": "column", "/down$": "row"}
+
+
+def block_kinds(model) -> dict[str, str]:
+    """The paths BLOCK_RULES match in the transformer (its blocks' names vary with the number of
+    blocks the process has made: block, block_1, ...)."""
+    return {f"{b.name}/{a}": k for b in model.layers[1:3]
+            for a, k in (("attn", "heads"), ("up", "column"), ("down", "row"))}
+
+
+def full_of(par, values):
+    """``values`` (one per trainable variable of ``par.model``, e.g. gradients) as the original
+    model's trainable weights would hold them: written into ``par.model`` and written back (the
+    original model of ``par`` is overwritten)."""
+    for v, g in zip(par.model.trainable_variables, values, strict=True):
+        v.assign(g)
+    par.write_back()
+    return [w.numpy() for layer in par.original for w in layer.trainable_weights]
+
+
+@pytest.mark.parametrize("opt", ["adam", pytest.param("sgd_momentum", marks=SLOW)])
+def test_transformer_heads_and_mlp_fit_equals_keras_on_one_device(four_devices, keras_zoo, opt):
+    """The keras_zoo transformer (a Sequential of two Block layers: MultiHeadAttention with 2
+    heads, Dense up/down) with its heads and its MLP split over 2 devices, trained by Keras's
+    own (traced) fit: per-epoch loss and every weight after 3 steps equal Keras on one device."""
+    z, devices = keras_zoo, four_devices[:2]
+    model = z.MODELS["transformer"]()
+    x, y = z.data_for(model)
+    ref, ref_loss = z.keras_fit(model, z.OPTIMIZERS[opt](), x, y)
+    par = tp.TensorParallel(model, devices, BLOCK_RULES)
+    kinds = block_kinds(model)
+    assert par.kinds == kinds
+    paths = list(kinds)
+    assert par.handoffs == [(paths[1], paths[2]), (paths[4], paths[5])]  # up -> down, no gather
+    assert [type(par.parallel_layers[p]).__name__ for p in kinds] == [
+        "HeadParallelAttention", "ColumnParallelDense", "RowParallelDense"] * 2
+    # the replaced sublayers are the blocks' own: tracked, trained, nothing else left over
+    assert len(par.model.trainable_variables) == 56  # 36 - 2 * 12 + 2 * (15 + 4 + 3)
+    z.assert_close(par.model(x).numpy(), model(x).numpy(), "forward")
+    par.compile(z.OPTIMIZERS[opt](), "mse")
+    history = par.model.fit(x, y, batch_size=z.BATCH, shuffle=False, verbose=0)
+    z.assert_close(history.history["loss"][0], ref_loss, "epoch loss")
+    par.write_back()
+    scale = max(np.abs(w).max() for w in ref.get_weights())
+    for i, (a, b) in enumerate(zip(model.get_weights(), ref.get_weights(), strict=True)):
+        z.assert_close(a, b, f"weight {i}", scale)
+    # each head's q/k/v kernels and their optimizer slots on its device
+    slots = {v.path: km.short_device(v.value.device) for v in par.model.optimizer.variables}
+    suffixes = ("_momentum", "_velocity") if opt == "adam" else ("_momentum",)
+    for path in paths[::3]:
+        for i, shard in enumerate(par.parallel_layers[path].shards):
+            for name in ("query_kernel", "key_kernel", "value_kernel", "output_kernel"):
+                var = shard[name]
+                assert km.short_device(var.value.device) == devices[i], var.path
+                for suffix in suffixes:
+                    slot = f"{par.model.optimizer.name}/{var.path.replace('/', '_')}{suffix}"
+                    assert slots[slot] == devices[i], slot
+
+
+def test_transformer_attention_runs_on_each_device(four_devices, keras_zoo):
+    """In the placed graph of a traced gradient step of the converted transformer, each device
+    runs its heads' attention: per block 6 einsums forward (q, k, v, scores, weighted values,
+    output projection) and 12 backward, and its softmax, on that device; the gradients equal
+    Keras's on one device."""
+    z, devices = keras_zoo, four_devices[:2]
+    model = z.MODELS["transformer"]()
+    x, y = z.data_for(model)
+    par = tp.TensorParallel(z.clone(model), devices, BLOCK_RULES)
+    variables = par.model.trainable_variables
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(par.model(x, training=True) - y))
+        return loss, tape.gradient(loss, variables)
+
+    table = placement.placement_of(step, tf.constant(x[:z.BATCH]), tf.constant(y[:z.BATCH]))
+    for d in devices:
+        einsums = [r.name for r in table.rows if r.op_type == "Einsum" and r.device == d]
+        assert len(einsums) == 2 * (6 + 12)
+        assert sum(n.startswith("gradient_tape/") for n in einsums) == 2 * 12
+        assert sum(r.op_type == "Softmax" and r.device == d for r in table.rows) == 2
+    loss, grads = table.result
+    ref_loss, ref_grads = z.first_gradients(model, x, y)
+    z.assert_close(float(loss), ref_loss, "loss")
+    scale = max(np.abs(g).max() for g in ref_grads)  # the key bias's gradient is 0: noise
+    for i, (a, b) in enumerate(zip(full_of(par, grads), ref_grads, strict=True)):
+        z.assert_close(a, b.numpy(), f"gradient {i}", scale)
+
+
+class UsesUpTwice(keras.layers.Layer):
+    """A block whose call uses ``up``'s output besides feeding ``down``: no hand-over."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(8, activation="tanh", dtype=self.dtype_policy)
+        self.down = keras.layers.Dense(4, dtype=self.dtype_policy)
+
+    def call(self, x):
+        h = self.up(x)
+        return self.down(h) + h[..., :4]
+
+
+class MakesUpInBuild(keras.layers.Layer):
+    def build(self, input_shape):
+        self.up = keras.layers.Dense(8, dtype=self.dtype_policy)
+        self.up.build(input_shape)
+
+    def call(self, x):
+        return self.up(x)
+
+
+def test_head_parallel_attention_and_refusals(four_devices):
+    devices = four_devices[:2]
+    rng = np.random.default_rng(0)
+    q = tf.constant(rng.normal(size=(3, 5, 8)))
+    kv = tf.constant(rng.normal(size=(3, 4, 6)))
+    mha = keras.layers.MultiHeadAttention(4, 3, dtype="float64")
+    for value in (q, kv):  # self-attention, and cross-attention with other widths
+        mha(q, value)
+        heads = tp.HeadParallelAttention.from_attention(mha, devices)
+        heads(q, value)
+        heads.set_full_weights(*mha.get_weights())
+        np.testing.assert_allclose(heads(q, value).numpy(), mha(q, value).numpy(), rtol=1e-12)
+        for a, b in zip(heads.full_weights(), mha.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+        mha = keras.layers.MultiHeadAttention(4, 3, dtype="float64")
+    with pytest.raises(ValueError, match="attention_mask"):
+        heads(q, q, attention_mask=tf.ones((3, 5, 5), tf.bool))
+    with pytest.raises(ValueError, match="num_heads=4 is not a multiple of the 3 devices"):
+        tp.HeadParallelAttention.from_attention(mha, four_devices[:3])
+    with pytest.raises(ValueError, match=r"\{'dropout': 0.1\}"):
+        tp.HeadParallelAttention.from_attention(
+            keras.layers.MultiHeadAttention(2, 4, dropout=0.1), devices)
+    with pytest.raises(ValueError, match="'heads' splits a MultiHeadAttention"):
+        tp.TensorParallel(mlp(), devices, {"^up": "heads"})
+    # a block that uses up's output twice: the column layer gathers, the output is the same
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((6,), dtype="float64"),
+                              UsesUpTwice(dtype="float64", name="twice")])
+    par = tp.TensorParallel(model, devices, {"/up$": "column", "/down$": "row"})
+    assert par.handoffs == [] and par.parallel_layers["twice/up"].gather_output
+    x = rng.normal(size=(4, 6))
+    np.testing.assert_allclose(par.model(x).numpy(), model(x).numpy(), rtol=1e-12)
+    model = keras.Sequential([keras.Input((6,), dtype="float64"),
+                              MakesUpInBuild(dtype="float64", name="late")])
+    with pytest.raises(ValueError, match="late/up: the MakesUpInBuild rebuilt from its config "
+                                         "has no sublayer 'up' before it is built"):
+        tp.TensorParallel(model, devices, {"/up$": "column"})
