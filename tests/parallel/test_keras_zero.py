@@ -17,10 +17,10 @@ from accel.parallel.zero import Zero
 
 SLOW = pytest.mark.slow  # attention run eagerly for several steps: make test, not make quick
 OPTIMIZERS = {
-    "adamw_no_bias_decay": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    # weight decay on all but the biases (by name), and the global norm clipped
+    "adamw_clipped": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1, global_clipnorm=0.1),
     "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
     "adagrad": lambda: keras.optimizers.Adagrad(0.1),
-    "adam_clipped": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1),
 }
 
 
@@ -57,9 +57,21 @@ def one_device(z, model, optimizer, x, y, shards):
     return ref, float(np.mean(losses))
 
 
-def keras_accumulating_fit(z, model, optimizer, x, y, k):
-    """Keras's own ``fit`` with ``gradient_accumulation_steps=k`` on batches ``k`` times
-    smaller (eager)."""
+_FITTED = {}
+
+
+def keras_accumulating_fit(z, name, opt, k):
+    """Keras's own ``fit`` of model ``name`` with optimizer ``opt`` and
+    ``gradient_accumulation_steps=k`` on batches ``k`` times smaller (eager; kept for the
+    cases that share it)."""
+    if (name, opt, k) not in _FITTED:
+        model = z.MODELS[name]()
+        ref, loss = _accumulating_fit(z, model, _optimizer(z, opt), *z.data_for(model), k)
+        _FITTED[name, opt, k] = ref.get_weights(), loss
+    return _FITTED[name, opt, k]
+
+
+def _accumulating_fit(z, model, optimizer, x, y, k):
     ref = z.clone(model)
     opt = optimizer.__class__.from_config({**optimizer.get_config(),
                                            "gradient_accumulation_steps": k})
@@ -69,25 +81,26 @@ def keras_accumulating_fit(z, model, optimizer, x, y, k):
 
 
 def assert_trained_like(z, form, history, model, ref, ref_loss):
+    """The epoch's loss and the user's model's weights (``ref``: a model or its weights) as
+    the reference's; every variable the form holds on the device it is counted for."""
     z.assert_close(history.history["loss"][0], ref_loss, "epoch loss")
-    scale = max(np.abs(w).max() for w in ref.get_weights())
-    for w, a, b in zip(model.weights, model.get_weights(), ref.get_weights(), strict=True):
+    ref = ref.get_weights() if hasattr(ref, "get_weights") else ref
+    scale = max(np.abs(w).max() for w in ref)
+    for w, a, b in zip(model.weights, model.get_weights(), ref, strict=True):
         z.assert_close(a, b, w.path, scale)  # the moving statistics included
     for d, groups in form.held_variables().items():  # everything held where it belongs
         assert {_device(v) for vs in groups.values() for v in vs} <= {d}
 
 
-ZERO_CASES = [  # model, optimizer, stage, devices, eager
-    ("mlp", "adam", 1, 2, False),
+ZERO_CASES = [  # model, optimizer, stage, devices, eager (one case traced: tracing costs)
+    ("mlp", "adam", 1, 2, True),
     ("mlp", "adam", 2, 2, True),
     ("mlp", "adam", 3, 4, True),
     ("cnn", "sgd_momentum", 3, 2, True),
-    ("cnn", "adam", 2, 2, True),
     pytest.param("transformer", "adam", 3, 2, True, marks=SLOW),
-    ("mlp", "adamw_no_bias_decay", 2, 2, True),
+    ("mlp", "adamw_clipped", 2, 2, True),
     ("mlp", "rmsprop", 1, 2, True),
     ("mlp", "adagrad", 3, 2, False),
-    ("mlp", "adam_clipped", 2, 2, True),
 ]
 
 
@@ -98,7 +111,7 @@ def test_zero_equals_keras_on_one_device(four_devices, keras_zoo, name, opt, sta
     x, y = z.data_for(model)
     reference_optimizer = _optimizer(z, opt)
     exclude = None
-    if opt == "adamw_no_bias_decay":
+    if opt == "adamw_clipped":
         reference_optimizer.exclude_from_weight_decay(var_names=["bias"])
         exclude = ["bias"]
     ref, ref_loss = one_device(z, model, reference_optimizer, x, y, shards=n)
@@ -143,7 +156,7 @@ def test_accumulation_equals_keras_gradient_accumulation(four_devices, keras_zoo
     z = keras_zoo
     model = z.MODELS[name]()
     x, y = z.data_for(model)
-    ref, ref_loss = keras_accumulating_fit(z, model, _optimizer(z, opt), x, y, parts)
+    ref, ref_loss = keras_accumulating_fit(z, name, opt, parts)
     kwargs = {"loss": "mse", "optimizer": _optimizer(z, opt), "run_eagerly": True}
     if form == "accumulating":
         made = Accumulating(model, accumulation_steps=parts, device=four_devices[1], **kwargs)
