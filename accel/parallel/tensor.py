@@ -17,10 +17,12 @@ single-device references are ``mlp`` and ``block``; ``shard`` / ``unshard`` spli
 dict and put it back together. Every device's compute runs through
 ``accel.collectives.on_device``, so its backward stays on that device too.
 
-For a Keras model: ``ColumnParallelDense`` and ``RowParallelDense`` are Keras layers (one
-kernel shard per device), and ``TensorParallel(model, devices, rules)`` converts a
-``Sequential``'s matching ``Dense`` layers by name patterns (as Keras 3's ``LayoutMap`` maps
-weight paths to layouts) into a Keras model you compile and ``fit``, then ``write_back()``.
+For a Keras model: ``ColumnParallelDense``, ``RowParallelDense`` (one kernel shard per device)
+and ``HeadParallelAttention`` (a ``MultiHeadAttention`` with its heads split over the devices)
+are Keras layers, and ``TensorParallel(model, devices, rules)`` converts a ``Sequential``'s
+matching ``Dense`` and ``MultiHeadAttention`` layers, top-level or inside a block layer, by
+patterns on their paths (as Keras 3's ``LayoutMap`` maps weight paths to layouts) into a Keras
+model you compile and ``fit``, then ``write_back()``.
 """
 
 from __future__ import annotations
@@ -664,7 +666,12 @@ class TensorParallel:
         self.kinds: dict[str, str] = {}
         paths: list[str] = []
 
+        seen: set[int] = set()
+
         def match(layer, path):
+            if id(layer) in seen:  # a layer held twice, or a reference back up
+                return
+            seen.add(id(layer))
             paths.append(path)
             kind = next((k for p, k in compiled if p.search(path)), None)
             if kind is None:

@@ -25,6 +25,18 @@ def mlp(seed=0):
                            (3, None, "down2")]])
 
 
+def fit_equals_keras(z, par, model, optimizer, x, y, ref, ref_loss, **compile_kwargs):
+    """``par.model`` trained by Keras's fit (one epoch, in order), written back into ``model``:
+    the epoch loss and every weight equal Keras's ``ref`` on one device."""
+    par.compile(optimizer, "mse", **compile_kwargs)
+    history = par.model.fit(x, y, batch_size=z.BATCH, shuffle=False, verbose=0)
+    z.assert_close(history.history["loss"][0], ref_loss, "epoch loss")
+    par.write_back()
+    scale = max(np.abs(w).max() for w in ref.get_weights())
+    for i, (a, b) in enumerate(zip(model.get_weights(), ref.get_weights(), strict=True)):
+        z.assert_close(a, b, f"weight {i}", scale)
+
+
 @pytest.mark.parametrize("n,opt", [(2, "adam"), pytest.param(2, "sgd_momentum", marks=SLOW),
                                    pytest.param(4, "adam", marks=SLOW), (4, "sgd_momentum")])
 def test_tensor_parallel_fit_equals_keras_on_one_device(four_devices, keras_zoo, n, opt):
@@ -37,13 +49,7 @@ def test_tensor_parallel_fit_equals_keras_on_one_device(four_devices, keras_zoo,
                                                        "RowParallelDense"] * 2
     assert [la.gather_output for la in par.layers[::2]] == [False, False]  # slices go straight on
     z.assert_close(par.model.predict(x, verbose=0), model.predict(x, verbose=0), "forward")
-    par.compile(z.OPTIMIZERS[opt](), "mse")
-    history = par.model.fit(x, y, batch_size=z.BATCH, shuffle=False, verbose=0)
-    z.assert_close(history.history["loss"][0], ref_loss, "epoch loss")
-    par.write_back()
-    scale = max(np.abs(w).max() for w in ref.get_weights())
-    for i, (a, b) in enumerate(zip(model.get_weights(), ref.get_weights(), strict=True)):
-        z.assert_close(a, b, f"weight {i}", scale)
+    fit_equals_keras(z, par, model, z.OPTIMIZERS[opt](), x, y, ref, ref_loss)
     # shard i's kernel and its optimizer slots on device i
     for layer in par.layers:
         for i, kernel in enumerate(layer.kernels):
@@ -141,11 +147,15 @@ def full_of(par, values):
     return [w.numpy() for layer in par.original for w in layer.trainable_weights]
 
 
-@pytest.mark.parametrize("opt", ["adam", pytest.param("sgd_momentum", marks=SLOW)])
-def test_transformer_heads_and_mlp_fit_equals_keras_on_one_device(four_devices, keras_zoo, opt):
+@pytest.mark.parametrize("opt,eager", [("adam", True),
+                                       pytest.param("sgd_momentum", False, marks=SLOW)])
+def test_transformer_heads_and_mlp_fit_equals_keras_on_one_device(four_devices, keras_zoo, opt,
+                                                                  eager):
     """The keras_zoo transformer (a Sequential of two Block layers: MultiHeadAttention with 2
     heads, Dense up/down) with its heads and its MLP split over 2 devices, trained by Keras's
-    own (traced) fit: per-epoch loss and every weight after 3 steps equal Keras on one device."""
+    own fit: per-epoch loss and every weight after 3 steps equal Keras on one device. The fast
+    case runs fit eagerly (tracing the step costs 10 s; the traced step's placement and
+    gradients are the next test's), the slow one traced, as a user runs it."""
     z, devices = keras_zoo, four_devices[:2]
     model = z.MODELS["transformer"]()
     x, y = z.data_for(model)
@@ -160,13 +170,7 @@ def test_transformer_heads_and_mlp_fit_equals_keras_on_one_device(four_devices, 
     # the replaced sublayers are the blocks' own: tracked, trained, nothing else left over
     assert len(par.model.trainable_variables) == 56  # 36 - 2 * 12 + 2 * (15 + 4 + 3)
     z.assert_close(par.model(x).numpy(), model(x).numpy(), "forward")
-    par.compile(z.OPTIMIZERS[opt](), "mse")
-    history = par.model.fit(x, y, batch_size=z.BATCH, shuffle=False, verbose=0)
-    z.assert_close(history.history["loss"][0], ref_loss, "epoch loss")
-    par.write_back()
-    scale = max(np.abs(w).max() for w in ref.get_weights())
-    for i, (a, b) in enumerate(zip(model.get_weights(), ref.get_weights(), strict=True)):
-        z.assert_close(a, b, f"weight {i}", scale)
+    fit_equals_keras(z, par, model, z.OPTIMIZERS[opt](), x, y, ref, ref_loss, run_eagerly=eager)
     # each head's q/k/v kernels and their optimizer slots on its device
     slots = {v.path: km.short_device(v.value.device) for v in par.model.optimizer.variables}
     suffixes = ("_momentum", "_velocity") if opt == "adam" else ("_momentum",)
