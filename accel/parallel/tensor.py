@@ -434,8 +434,9 @@ class HeadParallelAttention(keras.layers.Layer):
     is a reduce; the all-reduce form is ``tp_block``).
 
     Called as ``MultiHeadAttention`` is: ``layer(query, value, key=None, training=None)`` on
-    ``[batch, seq, features]`` inputs (self-attention: ``query`` is ``value``). Supported: no
-    attention mask, no causal mask, no returned scores, dropout 0, ``value_dim == key_dim``, the
+    ``[batch, seq, features]`` inputs (self-attention: ``query`` is ``value``; cross-attention
+    too). Supported: no attention mask (``ValueError``; a Keras mask carried by the inputs is not
+    applied either), no causal mask, no returned scores, dropout 0, ``value_dim == key_dim``, the
     default attention axis and output shape (``HeadParallelAttention.from_attention`` refuses
     other MultiHeadAttention settings). ``set_full_weights(*mha.get_weights())`` loads a
     MultiHeadAttention's weights; ``full_weights()`` returns them in its ``get_weights()`` order
