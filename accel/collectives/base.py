@@ -104,9 +104,11 @@ def on_device(fn, device: str, *tensors):
     called (its device scope), not next to the forward ops: a backward pass over several devices
     would otherwise run on the default device. This wraps ``fn`` in a ``tf.custom_gradient``
     whose gradient is taken under ``tf.device(device)`` from a tape recorded in the forward pass.
-    Variables that ``fn`` reads get their gradients there as well."""
+    Variables that ``fn`` reads get their gradients there as well. The same tensor may be passed
+    more than once: each argument gets the gradient of its own uses only."""
     @tf.custom_gradient
     def _run(*xs):
+        xs = [tf.identity(x) for x in xs]  # one source per argument, even for a repeated tensor
         with tf.GradientTape() as tape:
             tape.watch(xs)
             ys = fn(*xs)

@@ -166,3 +166,23 @@ def test_bad_reduction_and_mean(four_devices):
     out = collectives.all_reduce([tf.constant([1.0, 3.0]), tf.constant([3.0, 5.0])], devs,
                                  "ring", op="mean")
     np.testing.assert_array_equal(out[1].numpy(), [2.0, 4.0])
+
+
+def test_on_device_gradients_equal_the_plain_tape_even_for_a_repeated_tensor(four_devices):
+    """``on_device(fn, d, a, a, b)``: each argument gets the gradient of its own uses (the
+    sum over arguments equals TensorFlow's gradient without the wrapper), computed on d."""
+    a = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+    b = tf.constant([[0.5, -1.0], [2.0, 0.25]])
+
+    def fn(p, q, r):
+        return tf.reduce_sum(tf.matmul(p, q) * r + p * p)
+
+    with tf.GradientTape() as plain:
+        plain.watch([a, b])
+        want = plain.gradient(fn(a, a, b), [a, b])
+    with tf.GradientTape() as tape:
+        tape.watch([a, b])
+        out = collectives.on_device(fn, four_devices[1], a, a, b)
+    got = tape.gradient(out, [a, b])
+    np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=1e-6)
+    np.testing.assert_allclose(got[1].numpy(), want[1].numpy(), rtol=1e-6)
