@@ -56,7 +56,7 @@ execute: $(STAMP)  ## store outputs: re-run notebooks in place, alone on a quiet
 images: $(STAMP)  ## regenerate the figures in images/ from code (FIG=07_scaling.png for one)
 	$(BIN)/python -m accel images --out images $(FIG)
 
-gpu-check: $(STAMP)  ## the GPU paths of chapters 01-08, on a machine with a GPU (skipped without one)
+gpu-check: $(STAMP)  ## the GPU paths of chapters 01-08 and every Keras form of accel.parallel, on a machine with a GPU (skipped without one)
 	$(BIN)/python -m pytest -v -rs -m gpu tests/gpu
 
 lint: $(STAMP)  ## ruff over the package, tests and notebooks

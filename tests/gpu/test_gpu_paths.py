@@ -10,38 +10,12 @@ in TF32 by default, about 1e-3 relative precision, which would hide a real diffe
 rounding. `ACCEL_GPU_CHECK_KIND=cpu` runs the same code on logical CPUs (a dry run of the tests
 themselves on a machine without a GPU)."""
 
-import os
-import textwrap
-
 import pytest
-import tensorflow as tf
 
-from accel.procs import run_python
-
-KIND = os.environ.get("ACCEL_GPU_CHECK_KIND", "gpu")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(KIND == "gpu" and not tf.config.list_physical_devices("GPU"),
-                       reason="no GPU here (make gpu-check runs these where there is one)"),
-]
+pytestmark = pytest.mark.gpu
 
 
-def run_on(count: int, body: str) -> str:
-    """``body`` after ``names = devices.setup(count, kind=KIND)`` in a fresh process; its stdout."""
-    head = textwrap.dedent(f"""
-        import numpy as np
-        import tensorflow as tf
-        from accel import devices
-        names = devices.setup({count}, kind={KIND!r})
-        tf.config.experimental.enable_tensor_float_32_execution(False)
-        assert all({KIND.upper()!r} in d for d in names), names
-        rng = np.random.default_rng(0)
-    """)
-    env = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
-    return run_python(head + textwrap.dedent(body), env=env, timeout=300)
-
-
-def test_01_devices_are_listed_and_each_computes():
+def test_01_devices_are_listed_and_each_computes(run_on):
     out = run_on(2, """
         x = rng.standard_normal((256, 256)).astype(np.float32)
         for name in names:
@@ -51,10 +25,10 @@ def test_01_devices_are_listed_and_each_computes():
             np.testing.assert_allclose(y.numpy(), x @ x, rtol=1e-4, atol=1e-3)
         print(devices.report())
     """)
-    assert f"{KIND.upper()}:1" in out
+    assert f"{run_on.kind.upper()}:1" in out
 
 
-def test_02_placement_table_and_copies_between_host_and_device():
+def test_02_placement_table_and_copies_between_host_and_device(run_on):
     out = run_on(2, """
         from accel.placement import placement_of
         @tf.function
@@ -73,7 +47,7 @@ def test_02_placement_table_and_copies_between_host_and_device():
     assert out.strip().endswith("ok")
 
 
-def test_03_an_op_without_a_gpu_kernel_falls_back_to_the_cpu():
+def test_03_an_op_without_a_gpu_kernel_falls_back_to_the_cpu(run_on):
     out = run_on(1, """
         from accel import kernels
         from accel.placement import placement_of, soft_placement
@@ -91,7 +65,7 @@ def test_03_an_op_without_a_gpu_kernel_falls_back_to_the_cpu():
     assert out.strip().endswith("ok")
 
 
-def test_04_the_allocator_peak_counts_a_step_on_the_device():
+def test_04_the_allocator_peak_counts_a_step_on_the_device(run_on):
     out = run_on(1, """
         from accel.memory.measure import memory_device, peak_during
         device = memory_device()
@@ -101,11 +75,11 @@ def test_04_the_allocator_peak_counts_a_step_on_the_device():
             peak, y = peak_during(lambda: tf.matmul(a, a) + 1.0, device)
         assert 4 * 2**20 <= peak < 64 * 2**20, peak
         print("ok")
-    """.replace("{KIND.upper()!r}", repr(KIND.upper())))
+    """.replace("{KIND.upper()!r}", repr(run_on.kind.upper())))
     assert out.strip().endswith("ok")
 
 
-def test_05_synchronous_parameter_server_on_the_devices_equals_sgd_on_the_cpu():
+def test_05_synchronous_parameter_server_on_the_devices_equals_sgd_on_the_cpu(run_on):
     out = run_on(3, """
         from accel import datasets, models
         from accel.parallel import parameter_server as ps
@@ -132,7 +106,7 @@ def test_05_synchronous_parameter_server_on_the_devices_equals_sgd_on_the_cpu():
     assert out.strip().endswith("ok")
 
 
-def test_06_towers_on_the_devices_equal_one_step_on_the_whole_batch():
+def test_06_towers_on_the_devices_equal_one_step_on_the_whole_batch(run_on):
     out = run_on(2, """
         from accel import datasets, models
         from accel.parallel import data as dp
