@@ -27,6 +27,8 @@ def build_from(model, make_optimizer, synchronized=None):
 
 @pytest.mark.parametrize("name,opt", [("mlp", "adam"),
                                       pytest.param("mlp", "sgd_momentum",
+                                                   marks=pytest.mark.slow),
+                                      pytest.param("transformer", "adam",
                                                    marks=pytest.mark.slow)])
 def test_mirrored_fit_equals_keras_on_one_device(four_devices, keras_zoo, name, opt):
     z = keras_zoo
