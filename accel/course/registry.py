@@ -55,6 +55,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
              "step vs the formulas (chapter 15)"),
     "towers": ("accel.course.scaling:bench_towers",
                "step time of hand-written towers vs MirroredStrategy vs one device (chapter 07)"),
+    "keras-towers": ("accel.course.scaling:bench_keras_towers",
+                     "step time on a Keras CNN: DataParallel towers vs Keras under "
+                     "MirroredStrategy vs Keras on one device (chapter 07)"),
     "input": ("accel.course.input_pipeline:bench_input",
               "a slow map: step time plain / prefetch / parallel map / cache vs compute alone "
               "(chapter 08)"),

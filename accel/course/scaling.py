@@ -6,6 +6,10 @@ one device), and the batch-size side (the linear scaling rule tried on a toy pro
   MirroredStrategy, measured in one run (interleaved, medians);
 * ``format_scaling(results)``: that as a table of step times and ratios;
 * ``bench_towers()``: the ``python -m accel bench towers`` report (ratios for 2 and 4 devices);
+* ``keras_cnn()``, ``keras_timed_steps(n, ...)`` and ``bench_keras_towers()``: the same race on
+  a Keras CNN, ``DataParallel.train_step`` vs Keras's own train step under
+  ``MirroredStrategy`` (``Mirrored``) vs Keras on one device (``python -m accel bench
+  keras-towers``);
 * ``figure_scaling(results)``: the plot of ``measure_scaling`` (the chapter saves it as the
   measured ``images/07_scaling.png``);
 * ``final_loss``: the loss a batch size and learning rate reach (the linear scaling rule tried);
@@ -21,13 +25,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from accel import checks, data, devices, models, timing
+from accel import checks, datasets, devices, models, timing
 from accel.costmodel.steps import data_parallel_step_time
-from accel.parallel.data import make_single_step, make_tower_step, split_batch
-from accel.parallel.mirrored import make_mirrored_step, mirrored_strategy
+from accel.parallel.data import DataParallel, make_single_step, make_tower_step, split_batch
+from accel.parallel.mirrored import Mirrored, make_mirrored_step, mirrored_strategy
 from accel.training import squared_error
 
 __all__ = ["BENCH_SIZES", "timed_steps", "measure_scaling", "format_scaling", "bench_towers",
+           "KERAS_CNN", "keras_cnn", "keras_timed_steps", "bench_keras_towers",
            "figure_scaling", "final_loss", "check_update_scale", "check_compute_for_80",
            "check_parallel_calls"]
 
@@ -48,7 +53,7 @@ def timed_steps(n: int, device_names: Sequence[str], per_device_batch: int = 256
         raise ValueError(f"n must be in 1..{len(device_names)} (the devices given), got {n}")
     sizes = list(sizes)
     global_batch = n * per_device_batch
-    x, y, _ = data.regression(global_batch, sizes[0], sizes[-1], seed=n)
+    x, y, _ = datasets.regression(global_batch, sizes[0], sizes[-1], seed=n)
     with tf.device(device_names[0]):
         xt, yt = tf.constant(x), tf.constant(y)
     params = models.mlp_init(sizes, seed=0)
@@ -71,10 +76,12 @@ def timed_steps(n: int, device_names: Sequence[str], per_device_batch: int = 256
             "mirrored": lambda: mirrored(batch).numpy()}
 
 
-def _median_times(steps: dict, rounds: int, repeat: int) -> dict:
-    """Interleave the variants (``rounds`` x ``repeat`` calls each) so drift hits all alike."""
+def _median_times(steps: dict, rounds: int, repeat: int, warmup: int = 1) -> dict:
+    """Interleave the variants (``rounds`` x ``repeat`` calls each) so drift hits all alike,
+    after ``warmup`` untimed calls of each (the first one traces)."""
     for fn in steps.values():
-        fn()  # trace and warm up
+        for _ in range(warmup):
+            fn()
     samples: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(rounds):
         for name, fn in steps.items():
@@ -140,6 +147,146 @@ def bench_towers(device_names: Sequence[str], quick: bool = False,
     worst = max(out[f"towers/mirrored_{n}"] for n in counts)
     lines.append(f"target: towers within 1.1x of MirroredStrategy -> worst ratio {worst:.2f} "
                  f"({'met' if worst <= 1.1 else 'NOT met'})")
+    measured = timing.measure_ceiling()
+    out["ceiling"] = measured.value
+    lines.append(timing.ceiling_line(measured) + "; virtual CPUs share these cores")
+    print("\n".join(lines))
+    return out
+
+
+KERAS_CNN = {"image": 32, "channels": 3, "filters": (16, 32), "dense": 64, "classes": 10}
+_QUICK_CNN = {"image": 8, "channels": 1, "filters": (4,), "dense": 8, "classes": 4}
+
+
+def keras_cnn(image: int = 32, channels: int = 3, filters: Sequence[int] = (16, 32),
+              dense: int = 64, classes: int = 10, seed: int = 0):
+    """A float32 Keras ``Sequential`` CNN: for each entry of ``filters`` a 3x3 ``Conv2D`` (ReLU)
+    and a 2x2 ``MaxPooling2D``, then ``Flatten``, ``Dense(dense)`` (ReLU) and ``Dense(classes)``
+    logits, on ``image`` x ``image`` x ``channels`` inputs (weights from ``seed``)."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((image, image, channels))]
+    for f in filters:
+        layers += [keras.layers.Conv2D(f, 3, activation="relu"), keras.layers.MaxPooling2D()]
+    layers += [keras.layers.Flatten(), keras.layers.Dense(dense, activation="relu"),
+               keras.layers.Dense(classes)]
+    return keras.Sequential(layers)
+
+
+def keras_timed_steps(n: int, device_names: Sequence[str], per_device_batch: int = 32,
+                      cnn: dict | None = None, learning_rate: float = 1e-3
+                      ) -> tuple[dict[str, Callable[[], float]], dict[str, Callable[[], list]]]:
+    """Three ways to train the same Keras CNN (``keras_cnn(**cnn)``, default ``KERAS_CNN``) with
+    SGD (momentum 0.9) on the same global batch of ``n * per_device_batch`` images, every set-up
+    done here, none left for the timed calls:
+
+    * ``single``: Keras's own train step (``model.train_function``, what ``fit`` calls once a
+      batch) on ``device_names[0]``, reading the batch from an iterator over a repeated
+      ``tf.data`` dataset that holds it;
+    * ``towers``: ``DataParallel(model, device_names[:n], ...).train_step(x, y)``, the batch
+      given as tensors on the first device (the step splits it);
+    * ``mirrored``: Keras's own train step under ``MirroredStrategy`` over the same devices
+      (``Mirrored``), reading the batch from the same dataset distributed by the strategy (each
+      replica's shard prefetched to its device, as ``fit`` does).
+
+    Returns ``(steps, weights)``: zero-argument callables running one step and returning the loss
+    as a float (Keras's train steps report the running mean of the epoch's losses), and
+    zero-argument callables returning each contender's current weights. All start from the
+    same weights, so after the same number of steps the weights agree (float32 round-off)."""
+    import keras
+
+    if n < 1 or n > len(device_names):
+        raise ValueError(f"n must be in 1..{len(device_names)} (the devices given), got {n}")
+    cnn = dict(KERAS_CNN if cnn is None else cnn)
+    devs = list(device_names[:n])
+    model = keras_cnn(**cnn)
+    batch = n * checks.positive_int("per_device_batch", per_device_batch)
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((batch, cnn["image"], cnn["image"], cnn["channels"]),
+                            dtype=np.float32)
+    y = rng.integers(0, cnn["classes"], batch).astype(np.int32)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def sgd():
+        return keras.optimizers.SGD(learning_rate, momentum=0.9)
+
+    def build():
+        copy = keras.models.clone_model(model)
+        copy.set_weights(model.get_weights())
+        copy.compile(optimizer=sgd(), loss=loss, jit_compile=False)
+        copy.make_train_function()
+        return copy
+
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+    with tf.device(devs[0]):
+        single = build()
+        xt, yt = tf.constant(x), tf.constant(y)
+    single_batches = iter(dataset)
+    towers = DataParallel(model, devs, loss=loss, optimizer=sgd())
+    mirrored = Mirrored(build, devs)
+    mirrored_batches = iter(mirrored.strategy.experimental_distribute_dataset(dataset))
+    steps = {"single": lambda: float(single.train_function(single_batches)["loss"]),
+             "towers": lambda: towers.train_step(xt, yt),
+             "mirrored": lambda: float(mirrored.model.train_function(mirrored_batches)["loss"])}
+    weights = {"single": single.get_weights, "towers": towers.copy.get_weights,
+               "mirrored": mirrored.model.get_weights}
+    return steps, weights
+
+
+def _weights_gap(a: list, b: list) -> float:
+    """The largest difference between two weight lists, over the largest weight of ``a``."""
+    top = max(float(np.max(np.abs(w))) for w in a)
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b, strict=True)) / top
+
+
+def bench_keras_towers(device_names: Sequence[str], quick: bool = False,
+                       counts: Sequence[int] = (2, 4), per_device_batch: int = 32) -> dict:
+    """``python -m accel bench keras-towers``: the step time of ``DataParallel`` (towers) on a
+    Keras CNN vs Keras's own train step under ``MirroredStrategy`` vs Keras on one device, same
+    global batch, for 2 and 4 devices (goal: towers within 1.1x of MirroredStrategy).
+
+    Every contender is built first (outside any timer), gets the same ``warmup`` untimed steps
+    (the first one traces), then all are timed in interleaved rounds of ``repeat`` steps
+    (``timing.time_fn``; the median of the rounds' medians). Prints the table, the largest gap
+    between a contender's weights and the one-device model's after the same steps (a check that
+    each did the same training), the goal and this machine's ceiling; returns
+    ``{"<variant>_<n>": seconds, "towers/mirrored_<n>", "towers/single_<n>",
+    "mirrored/single_<n>": ratios, "weight_gap_<n>": that gap over the largest weight,
+    "ceiling", "warmup", "rounds", "repeat"}``."""
+    counts = (2,) if quick else tuple(counts)
+    per_device_batch = 4 if quick else per_device_batch
+    warmup, rounds, repeat = (2, 1, 1) if quick else (3, 8, 3)
+    cnn = _QUICK_CNN if quick else KERAS_CNN
+    built = {n: keras_timed_steps(n, device_names, per_device_batch, cnn) for n in counts}
+    times = _median_times({(v, n): fn for n, (steps, _) in built.items()
+                           for v, fn in steps.items()}, rounds, repeat, warmup)
+    out: dict[str, float] = {"warmup": warmup, "rounds": rounds, "repeat": repeat}
+    lines = [f"Keras CNN {cnn}, SGD momentum 0.9; global batch = n x {per_device_batch}; median "
+             f"step time after {warmup} untimed steps each, {rounds} interleaved rounds of "
+             f"{repeat}",
+             f"{'devices':>7}  {'single':>9}  {'towers':>9}  {'mirrored':>9}  "
+             f"{'towers/mirrored':>15}  {'towers/single':>13}  {'mirrored/single':>15}  "
+             f"{'weight gap':>10}"]
+    for n in counts:
+        t = {v: times[(v, n)] for v in VARIANTS}
+        out.update({f"{v}_{n}": t[v] for v in VARIANTS})
+        for a, b in (("towers", "mirrored"), ("towers", "single"), ("mirrored", "single")):
+            out[f"{a}/{b}_{n}"] = t[a] / t[b]
+        w = {v: fn() for v, fn in built[n][1].items()}
+        out[f"weight_gap_{n}"] = max(_weights_gap(w["single"], w[v]) for v in w)
+        lines.append(f"{n:>7}  {t['single'] * 1e3:>7.1f}ms  {t['towers'] * 1e3:>7.1f}ms  "
+                     f"{t['mirrored'] * 1e3:>7.1f}ms  {out[f'towers/mirrored_{n}']:>15.2f}  "
+                     f"{out[f'towers/single_{n}']:>13.2f}  {out[f'mirrored/single_{n}']:>15.2f}"
+                     f"  {out[f'weight_gap_{n}']:>10.1e}")
+    worst = max(out[f"towers/mirrored_{n}"] for n in counts)
+    lines.append(f"goal: towers within 1.1x of MirroredStrategy -> worst ratio {worst:.2f} "
+                 f"({'met' if worst <= 1.1 else 'NOT met'}); weight gap: largest weight "
+                 "difference to the one-device model after the same steps, over its largest "
+                 "weight")
+    measured = timing.measure_ceiling()
+    out["ceiling"] = measured.value
+    lines.append(timing.ceiling_line(measured) + "; virtual CPUs share these cores")
     print("\n".join(lines))
     return out
 
@@ -172,12 +319,12 @@ def figure_scaling(results: dict | None = None):
 def final_loss(batch_size: int, lr: float, epochs: int = 2, n: int = 1024,
                sizes: Sequence[int] = (8, 16, 1), device: str = "/device:CPU:0") -> float:
     """Full-data mean squared error after ``epochs`` of plain SGD with ``batch_size`` and ``lr``
-    on ``data.regression(n)`` (same data, same initial weights for every call)."""
+    on ``datasets.regression(n)`` (same data, same initial weights for every call)."""
     checks.positive_int("n", n)
     if checks.positive_int("batch_size", batch_size) > n:
         raise ValueError(f"batch_size {batch_size} is larger than the data set (n={n}): "
                          "not one step would run")
-    x, y, _ = data.regression(n, sizes[0], sizes[-1], seed=0)
+    x, y, _ = datasets.regression(n, sizes[0], sizes[-1], seed=0)
     step = make_single_step(models.mlp_apply, squared_error, models.mlp_init(list(sizes)),
                             lr, device)
     for _ in range(epochs):

@@ -11,6 +11,7 @@ time, the bytes they send, the ``tensor-parallel`` benchmark and the chapter's f
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -40,10 +41,17 @@ def _loss(o, t):
 
 def train_steps(device_names: Sequence[str], n: int, kind: str = "mlp", batch: int = 8,
                 seq: int = 64, hidden: int = 256, heads: int = 8, lr: float = 0.01,
-                dtensor_too: bool = True) -> dict[str, Callable[[], float]]:
+                dtensor_too: bool = True, *, local_update: bool = False
+                ) -> dict[str, Callable[[], float]]:
     """SGD steps on the same data and initial weights: ``single`` (all on device 0), ``hand``
     (``tp_mlp`` / ``tp_block`` over the first ``n`` devices) and, for the MLP, ``dtensor`` (the
-    single-device code on a 1-D mesh of the same devices, Megatron layouts)."""
+    single-device code on a 1-D mesh of the same devices, Megatron layouts). Each is a whole
+    training step: forward, backward and update.
+
+    ``local_update``: ``True`` runs each shard's SGD update on the device that holds the shard,
+    as DTensor's update runs on every device of the mesh (the fair race against DTensor, what
+    ``bench`` times); ``False`` leaves the update ops where TensorFlow places them (the updates
+    of the other devices' shards on the first device, and their gradients sent there and back)."""
     devs = list(device_names[:n])
     params = params_for(kind, hidden, heads)
     rng = np.random.default_rng(1)
@@ -79,9 +87,10 @@ def train_steps(device_names: Sequence[str], n: int, kind: str = "mlp", batch: i
             losses = [collectives.on_device(_loss, d, o, t)
                       for o, t, d in zip(outs, ys, devs, strict=True)]
         grads = tape.gradient(losses, shards)
-        for s, g in zip(shards, grads, strict=True):
-            for k in s:
-                s[k].assign_sub(lr * g[k])
+        for s, g, d in zip(shards, grads, devs, strict=True):
+            with tf.device(d) if local_update else contextlib.nullcontext():
+                for k in s:
+                    s[k].assign_sub(lr * g[k])
         return losses[0]
 
     steps = {"single": lambda: float(single()), "hand": lambda: float(hand())}
@@ -127,10 +136,13 @@ def counted_bytes(device_names: Sequence[str], n: int, kind: str = "mlp", batch:
             "formula": tp.bytes_per_step(kind, [batch, seq, hidden], n)}
 
 
-def time_steps(steps: dict, rounds: int = 3, repeat: int = 5) -> dict[str, float]:
-    """Median seconds of each zero-argument step, timed in interleaved rounds."""
+def time_steps(steps: dict, rounds: int = 3, repeat: int = 5, warmup: int = 1
+               ) -> dict[str, float]:
+    """Median seconds of each zero-argument step, timed in interleaved rounds (``rounds`` x
+    ``repeat`` calls each) after ``warmup`` untimed calls of each (the first one traces)."""
     for fn in steps.values():
-        fn()
+        for _ in range(warmup):
+            fn()
     samples: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(rounds):
         for k, fn in steps.items():
@@ -140,14 +152,27 @@ def time_steps(steps: dict, rounds: int = 3, repeat: int = 5) -> dict[str, float
 
 def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     """Step time of the tensor-parallel MLP and block (by hand, n = 2, 4) vs one device, DTensor
-    vs by hand (goal: by hand within 1.1x of DTensor), and bytes per step vs the formula."""
+    vs by hand on the same MLP (goal: by hand within 1.1x of DTensor), and bytes per step vs the
+    formula.
+
+    Each step is a whole SGD training step (forward, backward, update; ``train_steps`` with
+    ``local_update=True``, so that the hand-written update runs on each shard's device as
+    DTensor's does) on the same weights, data and devices, its loss fetched as a number. The
+    steps of each comparison are built first, get the same ``warmup`` untimed calls (the first
+    one traces), then are timed in interleaved rounds (``time_steps``). Returns
+    ``{"<kind>_<variant>_<n>": seconds, "<kind>_hand/single_<n>", "<kind>_hand/dtensor_<n>":
+    ratios, "<kind>_bytes_<n>", "ceiling", "warmup", "rounds", "repeat"}``."""
     size = dict(batch=2, seq=8, hidden=32, heads=4) if quick else {}
-    rounds, repeat = (1, 1) if quick else (3, 5)
-    out: dict[str, float] = {}
-    lines = ["median SGD step time; ratios against the same run's single-device step"]
+    warmup, rounds, repeat = (1, 1, 1) if quick else (2, 6, 3)
+    out: dict[str, float] = {"warmup": warmup, "rounds": rounds, "repeat": repeat}
+    lines = [f"median time of one SGD step (forward, backward, update) after {warmup} untimed "
+             f"steps each, {rounds} interleaved rounds of {repeat}; ratios against the same "
+             "run's single-device step and DTensor step"]
     for kind in ("mlp", "block"):
         for n in (2,) if quick else (2, 4):
-            t = time_steps(train_steps(device_names, n, kind, **size), rounds, repeat)
+            t = time_steps(train_steps(device_names, n, kind, **size, local_update=True),
+                           rounds, repeat, warmup)
+            out.update({f"{kind}_{v}_{n}": seconds for v, seconds in t.items()})
             out[f"{kind}_hand/single_{n}"] = t["hand"] / t["single"]
             line = (f"{kind:5} n={n}: single {t['single'] * 1e3:7.2f} ms  by hand "
                     f"{t['hand'] * 1e3:7.2f} ms  ({out[f'{kind}_hand/single_{n}']:.2f}x)")
@@ -162,10 +187,12 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
             lines.append(f"{'':13}bytes sent per device per step: counted {b['counted_min']}"
                          f"..{b['counted_max']}, formula {b['formula']}"
                          f" ({'equal' if same else 'DIFFERENT'})")
-    worst = max(v for k, v in out.items() if "dtensor" in k)
+    worst = max(v for k, v in out.items() if "/dtensor" in k)
     lines.append(f"goal: by hand within 1.1x of DTensor -> worst {worst:.2f} "
                  f"({'met' if worst <= 1.1 else 'NOT met'})")
-    lines.append(timing.ceiling_line() + "; virtual CPUs share these cores")
+    measured = timing.measure_ceiling()
+    out["ceiling"] = measured.value
+    lines.append(timing.ceiling_line(measured) + "; virtual CPUs share these cores")
     print("\n".join(lines))
     return out
 

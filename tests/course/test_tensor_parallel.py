@@ -34,6 +34,15 @@ def test_the_three_steps_train_alike(four_devices, kind):
     assert curves["single"][-1] < curves["single"][0]
 
 
+def test_local_updates_train_alike(four_devices):
+    """``local_update=True`` (each shard's update on its own device, what the benchmark times)
+    changes where the update runs, not what it computes."""
+    steps = course.train_steps(four_devices, 2, "block", batch=2, seq=4, hidden=16, heads=4,
+                               lr=0.05, local_update=True)
+    curves = {k: [fn() for _ in range(3)] for k, fn in steps.items()}
+    np.testing.assert_allclose(curves["hand"], curves["single"], rtol=1e-4)
+
+
 def test_counted_bytes_equal_the_formula(four_devices):
     b = course.counted_bytes(four_devices, 4, "mlp", batch=2, seq=4, hidden=16, heads=4)
     # 2 all-reduces x 3 other devices x 2*4*16 float32
