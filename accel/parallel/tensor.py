@@ -775,13 +775,28 @@ class TensorParallel:
     def compile(self, optimizer, loss, **kwargs) -> None:
         """``self.model.compile`` with ``jit_compile=False``, the optimizer built first, here,
         so that each slot sits beside its variable (built inside ``fit``'s function, Keras
-        would put every slot on one device)."""
+        would put every slot on one device).
+
+        The optimizer sees the shards as variables: its update must be per element (SGD, Adam,
+        AdamW, RMSprop, Adagrad; ``global_clipnorm`` is fine, the norm over all shards being the
+        norm over all kernels). ``clipnorm`` (each variable clipped by its own norm) and
+        optimizers that use a whole variable's norm or shape (Lamb, Adafactor, Muon) would see
+        a shard instead: ``ValueError``."""
         from accel.parallel import keras_model as km
+        from accel.parallel.zero import SHARDABLE_OPTIMIZERS
 
         if kwargs.get("jit_compile"):
             raise ValueError("jit_compile=True: XLA would compile every device's ops into one "
                              "cluster and drop their placement; leave it False")
         optimizer = km.fresh_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
+        cls = type(optimizer)
+        if cls.__name__ not in SHARDABLE_OPTIMIZERS or cls is not getattr(keras.optimizers,
+                                                                          cls.__name__, None):
+            raise ValueError(f"optimizer {cls.__name__} would update each shard as a whole "
+                             f"variable; tensor parallelism supports {list(SHARDABLE_OPTIMIZERS)}")
+        if optimizer.clipnorm:
+            raise ValueError(f"clipnorm={optimizer.clipnorm} clips each variable by its own norm, "
+                             "which a shard does not know; use global_clipnorm")
         optimizer.build(self.model.trainable_variables)
         self.model.compile(optimizer=optimizer, loss=loss, jit_compile=False, **kwargs)
 
