@@ -130,7 +130,8 @@ def bench_towers(device_names: Sequence[str], quick: bool = False,
     """Step time of hand-written towers vs MirroredStrategy vs one device, for 2 and 4 devices,
     as ratios measured in one run. Prints a table and returns ``{"<variant>_<n>": seconds,
     "towers/mirrored_<n>": ratio, "towers/single_<n>": ratio}``."""
-    res = measure_scaling(device_names, counts, 16 if quick else per_device_batch,
+    per_device_batch = 16 if quick else per_device_batch
+    res = measure_scaling(device_names, counts, per_device_batch,
                           rounds=1 if quick else 3, repeat=1 if quick else 5)
     out: dict[str, float] = {}
     lines = [f"global batch = n x {per_device_batch}; MLP {list(BENCH_SIZES)}; median step time",
