@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 from accel import checks, procs
 
-__all__ = ["time_fn", "format_ratios", "measure_matmul_tflops", "matmul_seconds_with_threads",
-           "Ceiling", "measure_ceiling", "ceiling", "ceiling_line", "QUIET_CEILING",
-           "QUIET_OTHERS", "CEILING_RANGE", "require_quiet"]
+__all__ = ["time_fn", "interleaved_medians", "format_ratios", "measure_matmul_tflops",
+           "matmul_seconds_with_threads", "Ceiling", "measure_ceiling", "ceiling",
+           "ceiling_line", "QUIET_CEILING", "QUIET_OTHERS", "CEILING_RANGE", "require_quiet"]
 
 QUIET_CEILING = 1.3  # below this, something else is using the second core
 QUIET_OTHERS = 0.35  # cores other processes may use while the ceiling is measured
@@ -44,6 +44,24 @@ def time_fn(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved_medians(fns: dict, rounds: int = 3, repeat: int = 5, warmup: int = 1
+                        ) -> dict:
+    """Median seconds of each zero-argument function of ``fns``, timed in interleaved rounds
+    (``rounds`` x ``repeat`` calls each, so that drift of the machine hits all alike) after
+    ``warmup`` untimed calls of each (the first one traces): the median of the rounds'
+    medians, per key."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            samples[k].append(time_fn(fn, repeat=repeat, warmup=0))
+    return {k: float(statistics.median(v)) for k, v in samples.items()}
 
 
 def format_ratios(times: dict[str, float], baseline: str, unit: str = "ms") -> str:

@@ -29,6 +29,19 @@ def test_time_fn_and_format_ratios():
         timing.format_ratios({"a": 1.0}, "a", unit="h")
 
 
+def test_interleaved_medians_call_order_and_counts():
+    """Every function warmed up first, then the rounds interleave them (a, b, a, b, ...); each
+    round calls each ``repeat`` times; one median per key (a hand count of the calls)."""
+    calls = []
+    t = timing.interleaved_medians({"a": lambda: calls.append("a"),
+                                    "b": lambda: calls.append("b")}, rounds=2, repeat=3,
+                                   warmup=1)
+    assert calls == ["a", "b"] + (["a"] * 3 + ["b"] * 3) * 2
+    assert set(t) == {"a", "b"} and all(v >= 0 for v in t.values())
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        timing.interleaved_medians({"a": lambda: None}, rounds=0)
+
+
 def test_require_quiet_decides_from_both_figures():
     """Literal measurements: a low ratio, or other processes using a core, is a busy machine."""
     ok = timing.Ceiling(1.83, 0.04)

@@ -15,4 +15,4 @@ def test_readme_python_blocks_run():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     assert len(blocks) >= 2
     out = run_python("\n\n".join(blocks), timeout=300)
-    assert "/device:GPU:1" in out and "[3, 3, 3, 3]" in out
+    assert "/device:GPU:1" in out and "['CPU:0', 'CPU:0', 'CPU:1', 'CPU:1']" in out

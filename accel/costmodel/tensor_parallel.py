@@ -18,16 +18,8 @@ from accel.costmodel.hardware import link_bandwidth, peak_flops
 from accel.costmodel.transformer import layer_flops
 from accel.costmodel.zero import ADAM_MIXED_BYTES_PER_PARAM
 
-__all__ = ["MEGATRON_WEAK_SCALING", "MEGATRON_SOURCE",
-           "tp_bytes_per_layer", "dp_bytes_per_layer", "layer_bytes_held",
+__all__ = ["tp_bytes_per_layer", "dp_bytes_per_layer", "layer_bytes_held",
            "tp_layer_time"]
-
-MEGATRON_SOURCE = ("NVIDIA ADLR, 'MegatronLM's Supercharged V1.0' (nv-adlr.github.io/MegatronLMV1),"
-                   " Table 1: GPT-2 models, batch 8, DGX-2H (V100, NVSwitch), weak scaling")
-# REPORTED (not measured here): model-parallel GPUs -> (parameters in billions, % of linear)
-MEGATRON_WEAK_SCALING: dict[int, tuple[float, float]] = {
-    1: (1.2, 100.0), 2: (2.0, 90.7), 4: (4.2, 86.5), 8: (8.7, 79.6)}
-
 
 def tp_bytes_per_layer(batch: int, seq: int, hidden: int, n: int, itemsize: int = 2) -> float:
     """Bytes a device sends per layer and step with tensor parallelism over ``n`` devices."""

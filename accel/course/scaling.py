@@ -76,19 +76,6 @@ def timed_steps(n: int, device_names: Sequence[str], per_device_batch: int = 256
             "mirrored": lambda: mirrored(batch).numpy()}
 
 
-def _median_times(steps: dict, rounds: int, repeat: int, warmup: int = 1) -> dict:
-    """Interleave the variants (``rounds`` x ``repeat`` calls each) so drift hits all alike,
-    after ``warmup`` untimed calls of each (the first one traces)."""
-    for fn in steps.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(rounds):
-        for name, fn in steps.items():
-            samples[name].append(timing.time_fn(fn, repeat=repeat, warmup=0))
-    return {k: float(np.median(v)) for k, v in samples.items()}
-
-
 def measure_scaling(device_names: Sequence[str], counts: Sequence[int] = (1, 2, 4),
                     per_device_batch: int = 256, sizes: Sequence[int] = BENCH_SIZES,
                     rounds: int = 3, repeat: int = 5) -> dict:
@@ -101,7 +88,7 @@ def measure_scaling(device_names: Sequence[str], counts: Sequence[int] = (1, 2, 
     """
     steps = {(v, n): fn for n in counts
              for v, fn in timed_steps(n, device_names, per_device_batch, sizes).items()}
-    times = _median_times(steps, rounds, repeat)
+    times = timing.interleaved_medians(steps, rounds, repeat)
     step_s = {v: [times[(v, n)] for n in counts] for v in VARIANTS}
     eps = {v: [n * per_device_batch / t for n, t in zip(counts, ts, strict=True)]
            for v, ts in step_s.items()}
@@ -260,7 +247,7 @@ def bench_keras_towers(device_names: Sequence[str], quick: bool = False,
     warmup, rounds, repeat = (2, 1, 1) if quick else (3, 8, 3)
     cnn = _QUICK_CNN if quick else KERAS_CNN
     built = {n: keras_timed_steps(n, device_names, per_device_batch, cnn) for n in counts}
-    times = _median_times({(v, n): fn for n, (steps, _) in built.items()
+    times = timing.interleaved_medians({(v, n): fn for n, (steps, _) in built.items()
                            for v, fn in steps.items()}, rounds, repeat, warmup)
     out: dict[str, float] = {"warmup": warmup, "rounds": rounds, "repeat": repeat}
     lines = [f"Keras CNN {cnn}, SGD momentum 0.9; global batch = n x {per_device_batch}; median "

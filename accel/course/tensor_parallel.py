@@ -24,9 +24,26 @@ from accel.parallel import tensor as tp
 
 __all__ = ["MLP_KEYS", "params_for", "train_steps", "counted_bytes", "time_steps", "bench",
            "check_stack_bytes", "check_hidden_for_pcie",
-           "figure_sequence_parallel", "figure_tp_cost"]
+           "figure_sequence_parallel", "figure_tp_cost", "mlp_layouts", "MEGATRON_SOURCE",
+           "MEGATRON_WEAK_SCALING"]
 
 MLP_KEYS = ("w1", "b1", "w2", "b2")
+MEGATRON_SOURCE = ("NVIDIA ADLR, 'MegatronLM's Supercharged V1.0' (nv-adlr.github.io/MegatronLMV1),"
+                   " Table 1: GPT-2 models, batch 8, DGX-2H (V100, NVSwitch), weak scaling")
+# REPORTED (not measured here): model-parallel GPUs -> (parameters in billions, % of linear)
+MEGATRON_WEAK_SCALING: dict[int, tuple[float, float]] = {
+    1: (1.2, 100.0), 2: (2.0, 90.7), 4: (4.2, 86.5), 8: (8.7, 79.6)}
+
+
+def mlp_layouts(mesh, model: str = "model", wrong: bool = False) -> dict:
+    """Megatron's split of the MLP over mesh axis ``model``: ``w1`` by columns (with ``b1``),
+    ``w2`` by rows, ``b2`` replicated. ``wrong=True`` swaps them (``w1`` by rows, ``w2`` by
+    columns): still correct, but DTensor must move data to make it so."""
+    col, row = [None, model], [model, None]
+    if wrong:
+        col, row = row, col
+    return {"w1": dmesh.layout(mesh, col), "b1": dmesh.layout(mesh, [None if wrong else model]),
+            "w2": dmesh.layout(mesh, row), "b2": dmesh.layout(mesh, [model if wrong else None])}
 
 
 def params_for(kind: str, hidden: int, heads: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -96,7 +113,7 @@ def train_steps(device_names: Sequence[str], n: int, kind: str = "mlp", batch: i
     steps = {"single": lambda: float(single()), "hand": lambda: float(hand())}
     if kind == "mlp" and dtensor_too:
         mesh = dmesh.make_mesh(devs, {"model": n})
-        dv = dmesh.variables(params, dmesh.mlp_layouts(mesh))
+        dv = dmesh.variables(params, mlp_layouts(mesh))
         rep = dmesh.layout(mesh, [None, None, None])
         xd, yd = dmesh.put(x, rep), dmesh.put(y, rep)
 
@@ -139,15 +156,9 @@ def counted_bytes(device_names: Sequence[str], n: int, kind: str = "mlp", batch:
 def time_steps(steps: dict, rounds: int = 3, repeat: int = 5, warmup: int = 1
                ) -> dict[str, float]:
     """Median seconds of each zero-argument step, timed in interleaved rounds (``rounds`` x
-    ``repeat`` calls each) after ``warmup`` untimed calls of each (the first one traces)."""
-    for fn in steps.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(rounds):
-        for k, fn in steps.items():
-            samples[k].append(timing.time_fn(fn, repeat=repeat, warmup=0))
-    return {k: float(np.median(v)) for k, v in samples.items()}
+    ``repeat`` calls each) after ``warmup`` untimed calls of each (the first one traces):
+    ``accel.timing.interleaved_medians``."""
+    return timing.interleaved_medians(steps, rounds, repeat, warmup)
 
 
 def bench(device_names: Sequence[str], quick: bool = False) -> dict:
@@ -264,7 +275,7 @@ def figure_tp_cost(hidden: int = 4096, batch: int = 8, seq: int = 1024):
         eff = [cost.tp_layer_time(batch, seq, hidden, n, "NVIDIA A100", link)["efficiency"]
                for n in counts]
         ax.plot(counts, eff, "o-", label=link)
-    rep = cost.MEGATRON_WEAK_SCALING
+    rep = MEGATRON_WEAK_SCALING
     ax.plot(list(rep), [v[1] / 100 for v in rep.values()], "k*", ms=10,
             label="Megatron-LM reported (V100, weak scaling)")
     ax.set(xscale="log", xticks=counts, xticklabels=counts, ylim=(0, 1.05), xlabel="devices",

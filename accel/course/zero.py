@@ -76,13 +76,7 @@ def time_steps(steps: dict, rounds: int = 3, repeat: int = 5) -> dict[str, float
     """Median seconds of one step of each, timed in interleaved rounds."""
     fns = {k: (lambda s=s, x=x, y=y: [v.numpy() for v in s.step(x, y)])
            for k, (s, x, y) in steps.items()}
-    for fn in fns.values():
-        fn()
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            samples[k].append(timing.time_fn(fn, repeat=repeat, warmup=0))
-    return {k: float(np.median(v)) for k, v in samples.items()}
+    return timing.interleaved_medians(fns, rounds, repeat)
 
 
 def bench(device_names: Sequence[str], quick: bool = False) -> dict:

@@ -331,12 +331,12 @@ class DataParallel:
         self.model.set_weights(self.copy.get_weights())
 
     def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
-            verbose: int = 1):
-        """Keras-style training in order, then ``write_back()``; returns a
+            verbose: int = 1, callbacks=None):
+        """Keras-style training in order, with Keras callbacks; ``write_back()`` at each
+        epoch's end (``accel.parallel.keras_model.fit_loop``); returns a
         ``keras.callbacks.History``."""
         from accel.parallel.keras_model import fit_loop
 
-        history = fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
-                           divisor=len(self.devices))
-        self.write_back()
-        return history
+        return fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
+                        divisor=len(self.devices), callbacks=callbacks, model=self.model,
+                        sync=self.write_back)

@@ -13,8 +13,8 @@ way, written once here:
 * ``balance_layers`` and ``copy_parts``: the layers cut into consecutive parts (by count,
   parameter bytes or an explicit list, ``accel.parallel.partition``) and each part copied onto
   its device;
-* ``fit_loop``: Keras-style ``fit`` (in order, a progress bar, a ``History``) around a form's
-  training step, for forms that cannot run under ``model.fit``;
+* ``fit_loop``: Keras-style ``fit`` (in order, a progress bar, callbacks, a ``History``)
+  around a form's training step, for forms that cannot run under ``model.fit``;
 * ``write_back(layers, copies)``: the copies' weights (trainable and not, e.g. BatchNorm's
   moving statistics) back into the user's layers, so that ``model.predict``, ``model.save``
   and ``model.evaluate`` see the trained model;
@@ -197,11 +197,20 @@ def loss_function(loss) -> Callable:
 
 
 def fit_loop(step: Callable, x, y, batch_size: int | None, epochs: int, verbose: int,
-             divisor: int = 1):
+             divisor: int = 1, callbacks=None, model=None, sync: Callable | None = None):
     """Keras-style ``fit`` around ``step(x, y) -> loss``: ``x, y`` arrays in order (in batches of
     ``batch_size``, a multiple of ``divisor`` that divides the data) or a ``tf.data.Dataset``
-    of ``(x, y)`` batches; a progress bar per epoch (``verbose=0``: none); returns a
-    ``keras.callbacks.History`` whose ``history["loss"]`` holds each epoch's mean loss."""
+    of ``(x, y)`` batches; Keras's progress bar (``verbose=0``: none) and ``callbacks`` (a list
+    of ``keras.callbacks.Callback``, called as Keras's ``fit`` calls them, with ``model``, the
+    user's model, as their model; ``model.stop_training = True`` ends training after the
+    batch); returns the ``keras.callbacks.History`` whose ``history["loss"]`` holds each
+    epoch's mean loss.
+
+    ``sync()`` (the form's write-back) runs before every ``on_epoch_end`` and before
+    ``on_train_end``, so that callbacks that read or save the model (``ModelCheckpoint``,
+    ``EarlyStopping(restore_best_weights=True)``) see the trained weights; weights a callback
+    sets on the model are not read back into the form's working copies (those written at
+    ``on_train_end`` stay)."""
     checks.positive_int("epochs", epochs)
     if isinstance(x, tf.data.Dataset):
         if y is not None:
@@ -219,19 +228,32 @@ def fit_loop(step: Callable, x, y, batch_size: int | None, epochs: int, verbose:
         steps = n // batch_size
         batches = [(x[k * batch_size:(k + 1) * batch_size], y[k * batch_size:(k + 1) * batch_size])
                    for k in range(steps)]
-    history = keras.callbacks.History()
-    history.history, history.epoch = {"loss": []}, []
+    if model is None:  # callbacks need a model to tell them to stop; History sets .history
+        import types
+
+        model = types.SimpleNamespace(stop_training=False)
+    sync = sync or (lambda: None)
+    hooks = keras.callbacks.CallbackList(list(callbacks or []), add_history=True,
+                                         add_progbar=bool(verbose), model=model,
+                                         verbose=verbose, epochs=epochs, steps=steps)
+    model.stop_training = False
+    hooks.on_train_begin()
     for epoch in range(epochs):
-        if verbose:
-            print(f"Epoch {epoch + 1}/{epochs}")
-        bar = keras.utils.Progbar(steps, verbose=verbose)
+        hooks.on_epoch_begin(epoch)
         losses = []
         for k, (xb, yb) in enumerate(batches):
+            hooks.on_train_batch_begin(k)
             losses.append(float(step(xb, yb)))
-            bar.update(k + 1, [("loss", losses[-1])])
-        history.history["loss"].append(float(sum(losses) / len(losses)))
-        history.epoch.append(epoch)
-    return history
+            hooks.on_train_batch_end(k, {"loss": losses[-1]})
+            if model.stop_training:
+                break
+        sync()
+        hooks.on_epoch_end(epoch, {"loss": float(sum(losses) / len(losses))})
+        if model.stop_training:
+            break
+    sync()
+    hooks.on_train_end()
+    return next(c for c in hooks.callbacks if isinstance(c, keras.callbacks.History))
 
 
 def variable_devices(layers: Sequence) -> set[str]:

@@ -6,7 +6,6 @@ over a mesh of devices, and let TensorFlow insert the communication.
   ``None`` = not split); an axis the mesh does not have is a ``ValueError``;
 * ``put(array, layout)`` / ``fetch(tensor)``: NumPy to a sharded tensor and back (``fetch``
   relayouts to replicated first: ``.numpy()`` refuses a sharded tensor);
-* ``mlp_layouts(mesh)``: the Megatron split of the MLP's ``w1, b1, w2, b2`` (column then row);
 * ``communication(fn, *args)``: the collective ops DTensor put in the graph that ran, counted.
 
 ``accel.parallel.tensor.mlp`` itself runs on DTensors: the same code, laid out differently.
@@ -24,7 +23,7 @@ from tensorflow.experimental import dtensor
 from accel import checks
 from accel.placement import placement_of
 
-__all__ = ["make_mesh", "layout", "put", "fetch", "variables", "mlp_layouts", "communication"]
+__all__ = ["make_mesh", "layout", "put", "fetch", "variables", "communication"]
 
 
 def make_mesh(devices: Sequence[str], dims: Mapping[str, int]) -> dtensor.Mesh:
@@ -69,18 +68,6 @@ def variables(params: Mapping[str, np.ndarray], layouts: Mapping[str, dtensor.La
     if missing:
         raise ValueError(f"no layout for {missing}")
     return {k: dtensor.DVariable(put(v, layouts[k])) for k, v in params.items()}
-
-
-def mlp_layouts(mesh: dtensor.Mesh, model: str = "model",
-                wrong: bool = False) -> dict[str, dtensor.Layout]:
-    """Megatron's split of the MLP over mesh axis ``model``: ``w1`` by columns (with ``b1``),
-    ``w2`` by rows, ``b2`` replicated. ``wrong=True`` swaps them (``w1`` by rows, ``w2`` by
-    columns): still correct, but DTensor must move data to make it so."""
-    col, row = [None, model], [model, None]
-    if wrong:
-        col, row = row, col
-    return {"w1": layout(mesh, col), "b1": layout(mesh, [None if wrong else model]),
-            "w2": layout(mesh, row), "b2": layout(mesh, [model if wrong else None])}
 
 
 def communication(fn, *args) -> Counter:

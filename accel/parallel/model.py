@@ -419,13 +419,13 @@ class ModelParallel:
             write_back(part, copies)
 
     def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
-            verbose: int = 1):
-        """Keras-style training in order (``accel.parallel.keras_model.fit_loop``; with
-        replicas, ``batch_size`` a multiple of their number), then ``write_back()``; returns a
+            verbose: int = 1, callbacks=None):
+        """Keras-style training in order, with Keras callbacks
+        (``accel.parallel.keras_model.fit_loop``; with replicas, ``batch_size`` a multiple of
+        their number); ``write_back()`` at each epoch's end; returns a
         ``keras.callbacks.History``."""
         from accel.parallel.keras_model import fit_loop
 
-        history = fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
-                           divisor=len(self.replicas))
-        self.write_back()
-        return history
+        return fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
+                        divisor=len(self.replicas), callbacks=callbacks, model=self.model,
+                        sync=self.write_back)

@@ -362,18 +362,17 @@ class Pipeline:
             write_back(part, copies)
 
     def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
-            verbose: int = 1):
+            verbose: int = 1, callbacks=None):
         """Train on ``x, y`` (arrays, in order, ``batch_size`` a multiple of
         ``num_microbatches`` that divides the data) or on a ``tf.data.Dataset`` of ``(x, y)``
-        batches; a progress bar per epoch (``verbose=0``: none). Returns a
-        ``keras.callbacks.History`` (``history.history["loss"]``: each epoch's mean loss) and
-        writes the trained weights into the user's model."""
+        batches; a progress bar per epoch (``verbose=0``: none) and Keras ``callbacks``. Returns
+        a ``keras.callbacks.History`` (``history.history["loss"]``: each epoch's mean loss);
+        the trained weights are written into the user's model at each epoch's end."""
         from accel.parallel.keras_model import fit_loop
 
-        history = fit_loop(lambda xb, yb: self.train_step(xb, yb).loss, x, y, batch_size,
-                           epochs, verbose, divisor=self.num_microbatches)
-        self.write_back()
-        return history
+        return fit_loop(lambda xb, yb: self.train_step(xb, yb).loss, x, y, batch_size,
+                        epochs, verbose, divisor=self.num_microbatches, callbacks=callbacks,
+                        model=self.model, sync=self.write_back)
 
 
 def _keras_stage_fn(copies: list) -> Callable:

@@ -444,15 +444,16 @@ class KerasReplicas:
                              f"micro-batches: give a batch size that is a multiple of {parts}")
         return float(self._step(tuple(tf.split(x, parts)), tuple(tf.split(y, parts))))
 
-    def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1, verbose: int = 1):
-        """Keras-style training in order (``accel.parallel.keras_model.fit_loop``), then
-        ``write_back()``; returns a ``keras.callbacks.History``."""
+    def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1, verbose: int = 1,
+            callbacks=None):
+        """Keras-style training in order, with Keras callbacks
+        (``accel.parallel.keras_model.fit_loop``); ``write_back()`` at each epoch's end;
+        returns a ``keras.callbacks.History``."""
         from accel.parallel.keras_model import fit_loop
 
-        history = fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
-                           divisor=self.n * self.accumulation_steps)
-        self.write_back()
-        return history
+        return fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
+                        divisor=self.n * self.accumulation_steps, callbacks=callbacks,
+                        model=self.model, sync=self.write_back)
 
     def write_back(self) -> None:
         """The trained weights into the user's model: the full trainable weights, and the

@@ -70,3 +70,19 @@ def test_all_reduces_and_bytes_counted_in_the_graph_that_ran(four_devices, n, ki
     activation = B * S * H * 4
     assert got["counted_min"] == got["counted_max"] == per * (n - 1) * activation
     assert tp.bytes_per_step(kind, [B, S, H], n) == per * (n - 1) * activation
+
+
+def test_megatron_layouts_by_hand_and_the_reported_table(four_devices):
+    """Megatron's split as DTensor layouts (w1 by columns with b1, w2 by rows, b2 whole; the
+    swapped one the other way round) against literal sharding specs, and the cited table."""
+    from accel.parallel import mesh as dmesh
+
+    mesh = dmesh.make_mesh(four_devices, {"model": 4})
+    specs = {k: v.sharding_specs for k, v in course.mlp_layouts(mesh).items()}
+    assert specs == {"w1": ["unsharded", "model"], "b1": ["model"],
+                     "w2": ["model", "unsharded"], "b2": ["unsharded"]}
+    swapped = {k: v.sharding_specs for k, v in course.mlp_layouts(mesh, wrong=True).items()}
+    assert swapped == {"w1": ["model", "unsharded"], "b1": ["unsharded"],
+                       "w2": ["unsharded", "model"], "b2": ["model"]}
+    assert course.MEGATRON_WEAK_SCALING == {1: (1.2, 100.0), 2: (2.0, 90.7), 4: (4.2, 86.5),
+                                            8: (8.7, 79.6)}

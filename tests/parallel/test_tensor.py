@@ -188,8 +188,12 @@ def test_dtensor_mlp_equals_one_device_and_bad_layouts(four_devices):
     x = np.random.default_rng(2).standard_normal((4, H))
     ref = tp.mlp(params, x).numpy()
     mesh = dmesh.make_mesh(four_devices, {"model": 4})
-    for wrong in (False, True):
-        v = dmesh.variables(params, dmesh.mlp_layouts(mesh, wrong=wrong))
+    col, row = dmesh.layout(mesh, [None, "model"]), dmesh.layout(mesh, ["model", None])
+    split, whole = dmesh.layout(mesh, ["model"]), dmesh.layout(mesh, [None])
+    megatron = {"w1": col, "b1": split, "w2": row, "b2": whole}
+    swapped = {"w1": row, "b1": whole, "w2": col, "b2": split}  # correct, but data must move
+    for layouts in (megatron, swapped):
+        v = dmesh.variables(params, layouts)
         out = tf.function(lambda x, v=v: tp.mlp(v, x))(dmesh.put(x, dmesh.layout(mesh,
                                                                                 [None, None])))
         _close(dmesh.fetch(out), ref)
