@@ -9,7 +9,7 @@ import pytest
 from accel.parallel import mirrored
 
 
-def build_from(model, make_optimizer, synchronized=None):
+def build_from(model, make_optimizer, synchronized=None, run_eagerly=False):
     """A build function: ``model``'s architecture and weights, compiled with a new optimizer,
     all made in the scope (an optimizer made outside it is refused by Keras)."""
     def build():
@@ -20,7 +20,8 @@ def build_from(model, make_optimizer, synchronized=None):
                     layer["config"]["synchronized"] = synchronized
         twin = keras.Sequential.from_config(config)
         twin.set_weights(model.get_weights())
-        twin.compile(optimizer=make_optimizer(), loss="mse", jit_compile=False)
+        twin.compile(optimizer=make_optimizer(), loss="mse", jit_compile=False,
+                     run_eagerly=run_eagerly)
         return twin
     return build
 
@@ -35,7 +36,9 @@ def test_mirrored_fit_equals_keras_on_one_device(four_devices, keras_zoo, name, 
     model = z.MODELS[name]()
     x, y = z.data_for(model)
     ref, ref_loss = z.keras_fit(model, z.OPTIMIZERS[opt](), x, y)
-    m = mirrored.Mirrored(build_from(model, z.OPTIMIZERS[opt]), four_devices[:2])
+    # the transformer's step eagerly: tracing attention costs more than the 3 steps it runs
+    m = mirrored.Mirrored(build_from(model, z.OPTIMIZERS[opt], run_eagerly=name == "transformer"),
+                          four_devices[:2])
     assert m.num_replicas == 2
     history = m.fit(x, y, batch_size=z.BATCH, shuffle=False, verbose=0)
     z.assert_close(history.history["loss"][0], ref_loss, "epoch loss")
