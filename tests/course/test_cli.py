@@ -2,6 +2,9 @@
 the figures a chapter measures saved only under ``make execute``, every benchmark run in one
 process."""
 
+import json
+import textwrap
+
 import pytest
 
 from accel import __main__ as cli
@@ -74,7 +77,32 @@ def test_measured_figures_are_saved_only_by_make_execute(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_every_benchmark_runs_one_after_another_in_one_process():
-    out = run_python("from accel.__main__ import main\nmain(['bench', 'all', '--quick'])",
-                     timeout=600, warm=True)
+    """``python -m accel bench all --quick`` runs every benchmark; the keras-towers result (the
+    issue's towers-vs-MirroredStrategy goal) is checked as well: every ratio is of two step
+    times of this same run, and the three contenders did the same training."""
+    code = textwrap.dedent("""
+        import json
+        from accel.course import registry
+        results, real = {}, registry.run
+        def run(name, quick=False):
+            results[name] = real(name, quick=quick)
+            return results[name]
+        registry.run = run
+        from accel.__main__ import main
+        main(['bench', 'all', '--quick'])
+        print("RESULT " + json.dumps(results["keras-towers"], default=float))
+    """)
+    out = run_python(code, timeout=600, warm=True)
     ran = [line[3:] for line in out.splitlines() if line.startswith("== ")]
     assert ran == sorted(registry.BENCHMARKS)
+    towers = json.loads(next(line[7:] for line in out.splitlines() if line.startswith("RESULT ")))
+    variants = ("single", "towers", "mirrored")
+    ratios = ("towers/mirrored_2", "towers/single_2", "mirrored/single_2")
+    assert set(towers) == {*(f"{v}_2" for v in variants), *ratios, "weight_gap_2", "ceiling",
+                           "warmup", "rounds", "repeat"}
+    assert all(towers[f"{v}_2"] > 0 for v in variants)
+    for key in ratios:
+        a, b = key[:-2].split("/")
+        assert towers[key] == pytest.approx(towers[f"{a}_2"] / towers[f"{b}_2"], rel=1e-12)
+    assert towers["weight_gap_2"] < 1e-5
+    assert "towers/mirrored" in out and "goal: towers within 1.1x" in out
