@@ -63,12 +63,15 @@ parallel     accel.parallel.staleness (06)     the server's decision rules, reco
                                                (pure, no TF)
              accel.parallel.pipeline_exec (10) running any schedule on devices, a thread a
                                                device; Pipeline: a Keras Sequential trained so
-             accel.parallel.tensor (11)        tensor parallelism by hand: column/row-parallel
+             accel.parallel.megatron (11)      tensor parallelism by hand: column/row-parallel
                                                dense, Megatron MLP and transformer block
+             accel.parallel.tensor (11)        the same as Keras layers; TensorParallel converts
+                                               a Keras model's Dense / MultiHeadAttention by rules
              accel.parallel.mesh (11)          the same with DTensor: meshes, layouts, relayouts
              accel.parallel.vocab (11)         vocabulary-parallel embedding and cross-entropy
-             accel.parallel.zero (15)          ZeRO stages 0-3 by hand (Adam), bytes held counted
-             accel.parallel.offload (15)       Adam's state and update on a host device
+             accel.parallel.zero (15)          ZeRO stages 0-3: by hand (Adam) and Zero, a Keras
+                                               model with a Keras optimizer; bytes held counted
+             accel.parallel.offload (15)       the optimizer's state and update on a host device
              accel.parallel.accumulate (15)    gradient accumulation: k micro-steps, one update
              accel.parallel.moe (15)           mixture of experts: routing rule, all-to-all layer
 distributed  accel.distributed.cluster (12)    cluster specs, TF_CONFIG, LocalCluster: one server

@@ -163,7 +163,7 @@ class StepTime:
 
 def layer_parameters(hidden: int, tensor: int = 1) -> int:
     """Parameters one device holds of one block split ``tensor`` ways, as
-    ``accel.parallel.tensor.shard`` splits it: ``(12 h^2 + 7 h) / t`` split, ``6 h`` (two
+    ``accel.parallel.megatron.shard`` splits it: ``(12 h^2 + 7 h) / t`` split, ``6 h`` (two
     LayerNorms, the two output biases) replicated."""
     h, t = checks.positive_int("hidden", hidden), checks.positive_int("tensor", tensor)
     if h % t:

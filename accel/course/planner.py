@@ -30,8 +30,8 @@ def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
     chapter 11's tensor-parallel shards of a transformer block and chapter 15's ZeRO stages 1-3
     on 4 devices (bytes on one device)."""
     from accel.course import model_parallel as course09
+    from accel.parallel import megatron
     from accel.parallel import model as mp
-    from accel.parallel import tensor
     from accel.parallel.layers import mlp_layers
     from accel.parallel.zero import ZeroStep
     from accel.training import squared_error
@@ -52,7 +52,7 @@ def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
         out[f"ch09 split, {dev[-5:]}"] = (int(sum(parts)),
                                          e.weights + e.gradients + e.optimizer_slots)
     for t in (2, 4):
-        shard = tensor.shard(tensor.init_block(hidden=16, heads=4), t)[0]
+        shard = megatron.shard(megatron.init_block(hidden=16, heads=4), t)[0]
         out[f"ch11 block over {t}, one device's weights"] = (
             int(pl.state_bytes(pl.layer_parameters(16, t), "fp32")[0]),
             4 * sum(int(np.size(v)) for v in shard.values()))

@@ -19,8 +19,8 @@ import tensorflow as tf
 
 from accel import collectives, timing
 from accel.costmodel import tensor_parallel as cost
+from accel.parallel import megatron as tp
 from accel.parallel import mesh as dmesh
-from accel.parallel import tensor as tp
 
 __all__ = ["MLP_KEYS", "params_for", "train_steps", "counted_bytes", "time_steps", "bench",
            "check_stack_bytes", "check_hidden_for_pcie",

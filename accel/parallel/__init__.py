@@ -23,14 +23,19 @@
   data, no TensorFlow;
 - ``accel.parallel.pipeline_exec`` (10): running any such schedule on TensorFlow devices;
   ``Pipeline``, a Keras ``Sequential`` trained that way;
-- ``accel.parallel.tensor`` (09): tensor parallelism by hand: column- and row-parallel dense
+- ``accel.parallel.megatron`` (09): tensor parallelism by hand: column- and row-parallel dense
   layers, Megatron's f and g, the MLP and a transformer block with its heads split;
+- ``accel.parallel.tensor`` (09): the same as Keras layers (``ColumnParallelDense``,
+  ``RowParallelDense``, ``HeadParallelAttention``) and ``TensorParallel``, which converts a Keras
+  model's layers by patterns on their paths;
 - ``accel.parallel.mesh`` (09): the same with DTensor: meshes, layouts, the collectives it inserts;
 - ``accel.parallel.vocab`` (09): the vocabulary split: embedding and softmax cross-entropy;
-- ``accel.parallel.zero`` (12): ZeRO stages 0-3 by hand with Adam (optimizer state, gradients,
-  weights sharded), the bytes each device holds counted from its variables;
-- ``accel.parallel.offload`` (12): Adam's state and update on a host device;
+- ``accel.parallel.zero`` (12): ZeRO stages 0-3 (optimizer state, gradients, weights sharded):
+  by hand with Adam, and ``Zero`` for a Keras model with a per-element Keras optimizer; the
+  bytes each device holds counted from its variables;
+- ``accel.parallel.offload`` (12): the optimizer's state and update on a host device (by hand,
+  and ``Offload`` for a Keras model);
 - ``accel.parallel.accumulate`` (12): gradient accumulation, k micro-steps then one update;
-- ``accel.parallel.moe`` (12): a mixture-of-experts layer: the routing rule (pure), experts on
-  several devices with an all-to-all each way, the load-balancing loss.
+- ``accel.parallel.moe`` (12): a mixture of experts: the routing rule (pure), experts on
+  several devices with an all-to-all each way, the load-balancing loss; ``MoE``, a Keras layer.
 """

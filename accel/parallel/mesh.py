@@ -8,7 +8,7 @@ over a mesh of devices, and let TensorFlow insert the communication.
   relayouts to replicated first: ``.numpy()`` refuses a sharded tensor);
 * ``communication(fn, *args)``: the collective ops DTensor put in the graph that ran, counted.
 
-``accel.parallel.tensor.mlp`` itself runs on DTensors: the same code, laid out differently.
+``accel.parallel.megatron.mlp`` itself runs on DTensors: the same code, laid out differently.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from accel.collectives import all_gather, check_tensors, on_device
-from accel.parallel.tensor import reduce_from_shards
+from accel.parallel.megatron import reduce_from_shards
 
 __all__ = ["vocab_ranges", "vocab_parallel_embedding", "vocab_parallel_cross_entropy"]
 

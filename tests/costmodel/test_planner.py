@@ -28,9 +28,9 @@ def test_states_equal_chapter_04_estimate():
 
 @pytest.mark.parametrize("t", [1, 2, 4])
 def test_layer_parameters_equal_chapter_09_shards(t):
-    from accel.parallel import tensor
+    from accel.parallel import megatron
 
-    shards = tensor.shard(tensor.init_block(hidden=16, heads=4), t)
+    shards = megatron.shard(megatron.init_block(hidden=16, heads=4), t)
     for s in shards:  # every device holds as many
         assert sum(int(np.size(v)) for v in s.values()) == pl.layer_parameters(16, t)
     assert pl.state_bytes(pl.layer_parameters(16, t), "fp32")[0] == \

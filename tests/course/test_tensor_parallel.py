@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from accel.course import tensor_parallel as course
-from accel.parallel import tensor as tp
+from accel.parallel import megatron as tp
 
 
 def test_exercise_1_solution():

@@ -58,7 +58,7 @@ def transformer(seed=0):
     return keras.Sequential([
         keras.Input((5, 8), dtype="float64"),
         keras.layers.Dense(8, dtype="float64"),
-        Block(8, 2, dtype="float64"), Block(8, 2, dtype="float64"),
+        Block(8, 2, dtype="float64"),
         keras.layers.GlobalAveragePooling1D(dtype="float64"),
         keras.layers.Dense(3, dtype="float64")])
 

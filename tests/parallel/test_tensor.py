@@ -1,4 +1,4 @@
-"""accel.parallel.tensor against the single-device layers: outputs, gradients of inputs and
+"""accel.parallel.megatron against the single-device layers: outputs, gradients of inputs and
 weights, weights after SGD steps, the loss curve; all-reduces and bytes counted in the graph."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from accel import collectives
-from accel.parallel import tensor as tp
+from accel.parallel import megatron as tp
 
 B, S, H, HEADS = 2, 4, 8, 4
 
