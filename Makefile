@@ -26,7 +26,7 @@ help:  ## list the targets
 $(STAMP): pyproject.toml lab/overrides.json
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=68" wheel
-	$(BIN)/python -m pip install --quiet -e ".[course,test]"
+	$(BIN)/python -m pip install --quiet --no-build-isolation -e ".[course,test]"
 	mkdir -p $(LAB_SETTINGS) && cp lab/overrides.json $(LAB_SETTINGS)/accel-course.json
 	touch $(STAMP)
 
