@@ -38,7 +38,7 @@ lab: $(STAMP)  ## open JupyterLab on chapters/ (headless: make lab LAB_ARGS="--n
 test: lint  ## ruff, then the unit tests and every chapter re-run and compared by nbval
 	$(BIN)/python -m pytest -q $(XDIST) tests $(NBVAL) $(NB)
 
-quick: lint  ## between changes: ruff and the unit tests not marked slow (under 2 minutes)
+quick: lint  ## between changes: ruff and the unit tests not marked slow (about 2 minutes)
 	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" tests
 
 unit: $(STAMP)  ## unit tests only

@@ -55,7 +55,8 @@ def form(name, model, devices):
     return Zero(model, devices[:2], loss=mse, optimizer=opt, stage=2)
 
 
-@pytest.mark.parametrize("name", ["towers", "split", "pipeline", "zero"])
+@pytest.mark.parametrize("name", ["towers", *(pytest.param(n, marks=pytest.mark.slow)
+                                             for n in ("split", "pipeline", "zero"))])
 def test_callbacks_see_what_they_see_under_keras_fit(four_devices, keras_zoo, name):
     z = keras_zoo
     base = z.MODELS["mlp"]()

@@ -139,7 +139,7 @@ def gradients(model, x, y):
 
 
 @pytest.mark.parametrize("k, factor, optimizer, eager", [
-    (1, 1.0, "adam", False),  # Keras's fit, traced once
+    pytest.param(1, 1.0, "adam", False, marks=pytest.mark.slow),  # Keras's fit, traced once
     (2, 0.75, "adam", True),  # drops second choices (and some first ones)
     pytest.param(1, 1.0, "sgd_momentum", True, marks=pytest.mark.slow),
 ])

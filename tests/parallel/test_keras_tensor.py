@@ -147,7 +147,7 @@ def full_of(par, values):
     return [w.numpy() for layer in par.original for w in layer.trainable_weights]
 
 
-@pytest.mark.parametrize("opt,eager", [("adam", True)])
+@pytest.mark.parametrize("opt,eager", [pytest.param("adam", True, marks=SLOW)])
 def test_transformer_heads_and_mlp_fit_equals_keras_on_one_device(four_devices, keras_zoo, opt,
                                                                   eager):
     """The keras_zoo transformer (a Sequential with a Block layer: MultiHeadAttention with 2
@@ -183,6 +183,7 @@ def test_transformer_heads_and_mlp_fit_equals_keras_on_one_device(four_devices, 
                     assert slots[slot] == devices[i], slot
 
 
+@SLOW
 def test_transformer_attention_runs_on_each_device(four_devices, keras_zoo):
     """In the placed graph of a traced gradient step of the converted transformer, each device
     runs its heads' attention: 6 einsums forward (q, k, v, scores, weighted values,

@@ -96,11 +96,11 @@ ZERO_CASES = [  # model, optimizer, stage, devices, eager (one case traced: trac
     ("mlp", "adam", 1, 2, True),
     ("mlp", "adam", 2, 2, True),
     ("mlp", "adam", 3, 4, True),
-    ("cnn", "sgd_momentum", 3, 2, True),
+    pytest.param("cnn", "sgd_momentum", 3, 2, True, marks=SLOW),
     pytest.param("transformer", "adam", 3, 2, True, marks=SLOW),
-    ("mlp", "adamw_clipped", 2, 2, True),
-    ("mlp", "rmsprop", 1, 2, True),
-    ("mlp", "adagrad", 3, 2, False),
+    pytest.param("mlp", "adamw_clipped", 2, 2, True, marks=SLOW),
+    pytest.param("mlp", "rmsprop", 1, 2, True, marks=SLOW),
+    pytest.param("mlp", "adagrad", 3, 2, False, marks=SLOW),
 ]
 
 
@@ -121,7 +121,7 @@ def test_zero_equals_keras_on_one_device(four_devices, keras_zoo, name, opt, sta
                         ref_loss)
 
 
-OFFLOAD_CASES = [("mlp", "sgd_momentum", False), ("cnn", "adam", True),
+OFFLOAD_CASES = [("mlp", "sgd_momentum", False), pytest.param("cnn", "adam", True, marks=SLOW),
                  pytest.param("transformer", "adam", True, marks=SLOW)]
 
 
@@ -143,8 +143,8 @@ ACCUMULATION_CASES = [  # form, model, optimizer, devices x micro-batches
     ("accumulating", "mlp", "adam", 2),
     ("accumulating", "cnn", "sgd_momentum", 2),
     pytest.param("accumulating", "transformer", "adam", 2, marks=SLOW),
-    ("zero", "mlp", "adam", 4),
-    ("offload", "mlp", "adam", 4),
+    pytest.param("zero", "mlp", "adam", 4, marks=SLOW),
+    pytest.param("offload", "mlp", "adam", 4, marks=SLOW),
 ]
 
 
