@@ -13,7 +13,11 @@ plumbing     accel.checks (all)                argument checks: ValueError namin
              accel.models (all)                a tiny MLP as plain variables and as a Keras model
              accel.training (all)              per-example losses, learning rate or optimizer
              accel.viz (all)                   generic plots: bars, curves, timelines
-costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, with sources
+costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, with sources;
+                                               what measured records say a device reaches
+             accel.costmodel.record (01-)      the hardware recorder: achievable matmul, memory
+                                               and host-link figures (NumPy / CuPy / PyTorch,
+                                               no TensorFlow), one JSON record
              accel.costmodel.steps (01-07)     FLOPs of a run, copy times, data-parallel step time
              accel.costmodel.model_parallel    naive model parallelism on GPUs: step, idle (09)
              accel.costmodel.pipeline (10)     pipeline step, bubble, transformer activations

@@ -4,6 +4,11 @@
   python -m accel bench --list             the benchmarks, one per line: name, tab, description
   python -m accel bench NAME [NAME ...]    run benchmarks (or 'all') in one process
   python -m accel images [NAME ...]        redraw the figures in images/
+  python -m accel hardware-record [--backend B ...] [--out FILE] [--quick]
+                                           measure what this machine's device reaches (matmul
+                                           TFLOP/s per precision, memory and host-link GB/s)
+                                           beside its data sheet; writes one JSON record (no
+                                           TensorFlow: runs where only NumPy, CuPy or PyTorch is)
   python -m accel ceiling [--require X]    this machine's 2-thread ceiling now, and the CPU other
                                            processes used meanwhile; with --require, exit 1 if
                                            the ceiling is below X or others used more than
@@ -42,6 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     ceil.add_argument("--attempts", type=int, default=3,
                       help="with --require: measurements, 5 s apart, before giving up (a "
                            "single low reading can be a blip on a shared machine)")
+    rec = sub.add_parser("hardware-record", help="measure achievable matmul and copy "
+                         "figures of this machine's device and write a JSON record")
+    rec.add_argument("--backend", nargs="*", default=None,
+                     help="numpy (the CPU), cupy and/or torch (a CUDA GPU); default: every GPU "
+                          "backend installed here, else numpy")
+    rec.add_argument("--out", default=None,
+                     help="the JSON file to write (default: hardware-record-<device>-<date>.json)")
+    rec.add_argument("--quick", action="store_true", help="tiny sizes: checks that it works")
+    rec.add_argument("--repeat", type=int, default=5, help="timings per figure (median)")
     args = parser.parse_args(argv)
 
     if args.command == "devices":
@@ -77,6 +91,22 @@ def main(argv: list[str] | None = None) -> int:
                     print(exc, file=sys.stderr)
                     return 1
                 time.sleep(5)
+    elif args.command == "hardware-record":
+        from accel.costmodel import record
+
+        names = args.backend
+        if not names:
+            found = record.available_backends()
+            names = [b for b in found if b != "numpy"] or ["numpy"]
+        sizes = record.SIZES["quick"] if args.quick else None
+        try:
+            found = record.record(names, sizes=sizes, repeat=args.repeat)
+        except ValueError as exc:
+            parser.error(str(exc))
+        slug = "".join(c if c.isalnum() else "-" for c in found["device"]["device"]).strip("-")
+        out = args.out or f"hardware-record-{slug}-{found['date']}.json"
+        print(record.format_record(found))
+        print("written:", record.write_record(found, out))
     elif args.command == "images":
         from accel.course import registry
 

@@ -145,8 +145,12 @@ def test_the_built_wheel_carries_every_module(tmp_path):
                    check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp_path / "dist").glob("accel-*.whl")
     with zipfile.ZipFile(wheel) as zf:
-        in_wheel = {n for n in zf.namelist() if n.endswith(".py")}
+        in_wheel = {n for n in zf.namelist() if n.endswith((".py", ".json"))}
     expected = {str(path_of(m).relative_to(project)) for m in modules()}
+    # the measured hardware records hardware.achievable reads (package data)
+    expected |= {str(p.relative_to(project)) for p in (ROOT / "costmodel" / "records").glob(
+        "*.json")}
+    assert any(n.endswith(".json") for n in expected)
     assert expected <= in_wheel, sorted(expected - in_wheel)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",

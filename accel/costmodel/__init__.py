@@ -3,7 +3,11 @@ times. Pure Python (no TensorFlow): a model answers "how long would this take on
 which the course's virtual devices cannot measure. Everything here is a MODEL and is labelled so
 wherever a chapter prints it.
 
-- ``accel.costmodel.hardware``: peak FLOP/s per precision and link bandwidths, each with its source;
+- ``accel.costmodel.hardware``: peak FLOP/s per precision and link bandwidths, each with its source,
+  and what a committed measured record says a device reaches (``achievable``);
+- ``accel.costmodel.record``: the hardware recorder (``python -m accel hardware-record``): matmul
+  TFLOP/s per precision, device-memory and host-link bandwidth, measured with NumPy, CuPy or
+  PyTorch (no TensorFlow), written as one JSON record;
 - ``accel.costmodel.steps``: FLOPs of a training run, transfer times, the step time of synchronous
   data parallelism under three ways of exchanging gradients;
 - ``accel.costmodel.model_parallel``: naive model parallelism of a model too big for one GPU

@@ -12,12 +12,15 @@ The FP32 figure is what a float32 run sees on a V100, or with TF32 switched off.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from accel import checks
 
 __all__ = ["Spec", "PEAK_TFLOPS", "LINKS", "peak_flops", "link_bandwidth", "PRECISIONS",
-           "MEMORY_GB", "NODES"]
+           "MEMORY_GB", "NODES", "DATASHEET_LINKS", "datasheet_name", "datasheet_peak",
+           "RECORDS", "records", "achievable"]
 
 
 @dataclass(frozen=True)
@@ -33,16 +36,19 @@ _A100 = "NVIDIA A100 Tensor Core GPU data sheet (SXM), 2020"
 _H100 = "NVIDIA H100 Tensor Core GPU data sheet (SXM), 2022"
 _K520 = "NVIDIA GRID K520 board specification: 2 GK104 GPUs, 4.9 TFLOP/s FP32 per board"
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 
 # device -> precision -> dense peak in TFLOP/s (a precision is absent where there is no unit)
 PEAK_TFLOPS: dict[str, dict[str, Spec]] = {
     "NVIDIA K520 (2013, per GPU)": {"fp32": Spec(2.45, _K520)},
     "NVIDIA V100": {"fp32": Spec(15.7, _V100), "fp16": Spec(125.0, _V100)},
-    "NVIDIA A100": {"fp32": Spec(19.5, _A100), "tf32": Spec(156.0, _A100),
+    "NVIDIA A100": {"fp64": Spec(19.5, _A100 + " (FP64 Tensor Core)"),
+                    "fp32": Spec(19.5, _A100), "tf32": Spec(156.0, _A100),
                     "bf16": Spec(312.0, _A100), "fp16": Spec(312.0, _A100)},
-    "NVIDIA H100 SXM": {"fp32": Spec(67.0, _H100), "tf32": Spec(494.7, _H100),
-                        "bf16": Spec(989.4, _H100), "fp16": Spec(989.4, _H100)},
+    "NVIDIA H100 SXM": {"fp64": Spec(67.0, _H100 + " (FP64 Tensor Core)"),
+                        "fp32": Spec(67.0, _H100), "tf32": Spec(494.7, _H100),
+                        "bf16": Spec(989.4, _H100), "fp16": Spec(989.4, _H100),
+                        "fp8": Spec(1978.9, _H100 + " (FP8 Tensor Core, E4M3/E5M2)")},
 }
 
 _PCIE = "PCI-SIG base specifications: 8 / 16 / 32 GT/s per lane, 128b/130b encoding"
@@ -56,6 +62,7 @@ LINKS: dict[str, Spec] = {
     "NVLink 4 (H100, per GPU)": Spec(450.0, _H100 + ": 900 GB/s total, both directions"),
     "HBM2 (V100 device memory)": Spec(900.0, _V100),
     "HBM2e (A100 80GB device memory)": Spec(2039.0, _A100),
+    "HBM3 (H100 SXM device memory)": Spec(3350.0, _H100),
     "10 Gb Ethernet": Spec(1.25, "IEEE 802.3ae: 10 Gb/s"),
     "100 Gb Ethernet": Spec(12.5, "IEEE 802.3ba: 100 Gb/s"),
     "InfiniBand HDR (200 Gb/s)": Spec(25.0, "InfiniBand Trade Association roadmap: HDR 200 Gb/s"),
@@ -92,3 +99,64 @@ def link_bandwidth(link: str) -> float:
     """Nominal one-direction bandwidth of ``link`` (a key of ``LINKS``) in bytes per second."""
     checks.one_of("link", link, LINKS)
     return LINKS[link].value * 1e9
+
+
+# what a measured record's figures are held against, per data sheet (accel.costmodel.record):
+# device memory for "memory", the host link for the host <-> device copies
+DATASHEET_LINKS: dict[str, dict[str, str]] = {
+    "NVIDIA V100": {"memory": "HBM2 (V100 device memory)", "host": "PCIe 3.0 x16"},
+    "NVIDIA A100": {"memory": "HBM2e (A100 80GB device memory)", "host": "PCIe 4.0 x16"},
+    "NVIDIA H100 SXM": {"memory": "HBM3 (H100 SXM device memory)", "host": "PCIe 5.0 x16"},
+}
+
+
+def datasheet_name(reported: str) -> str | None:
+    """The key of ``PEAK_TFLOPS`` whose data sheet describes the device a driver reports as
+    ``reported`` (e.g. ``"NVIDIA H100 80GB HBM3"``, the SXM board), or ``None`` where this
+    module has no data sheet for it (an H100 PCIe or NVL, a CPU)."""
+    name = reported.upper()
+    if "H100" in name:
+        return "NVIDIA H100 SXM" if ("HBM3" in name or "SXM" in name) and "NVL" not in name \
+            else None
+    for key, marker in (("NVIDIA A100", "A100"), ("NVIDIA V100", "V100")):
+        if marker in name:
+            return key
+    return None
+
+
+def datasheet_peak(sheet: str, figure: str, precision: str | None = None) -> Spec | None:
+    """The data sheet's peak for a measured figure: ``"matmul"`` at ``precision`` (TFLOP/s),
+    ``"memory"`` (device memory, GB/s) or a host copy (``"h2d_pinned"``, ...: the host link,
+    GB/s one direction); ``None`` where the sheet has none."""
+    if figure == "matmul":
+        return PEAK_TFLOPS.get(sheet, {}).get(precision)
+    links = DATASHEET_LINKS.get(sheet, {})
+    link = links.get("memory" if figure == "memory" else "host")
+    return LINKS[link] if link else None
+
+
+RECORDS = Path(__file__).parent / "records"
+
+
+def records(folder: str | Path = RECORDS) -> list[dict]:
+    """The measured records (``python -m accel hardware-record``'s JSON files) in ``folder``,
+    oldest first."""
+    found = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
+    return sorted(found, key=lambda r: r["date"])
+
+
+def achievable(device: str, figure: str = "matmul", precision: str | None = None,
+               folder: str | Path = RECORDS) -> Spec | None:
+    """The best figure measured on ``device`` (a data-sheet key such as ``"NVIDIA H100 SXM"``,
+    or the name the driver reports) in the newest record of it, with where and when it was
+    measured as its source; ``None`` where no record has it (then cite a published figure)."""
+    for rec in reversed(records(folder)):
+        if device not in (rec["device"]["device"], rec["device"].get("datasheet")):
+            continue
+        hits = [f for f in rec["figures"] if "error" not in f and f["figure"] == figure
+                and f.get("precision") == precision]
+        if hits:
+            best = max(hits, key=lambda f: f["value"])
+            return Spec(best["value"], f"measured on {rec['device']['device']} on "
+                                       f"{rec['date']} ({best['method']})")
+    return None
