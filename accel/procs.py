@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import itertools
 import json
 import os
@@ -40,7 +41,7 @@ import time
 
 __all__ = ["run_python", "ChildFailed", "Child", "start_python", "prewarm", "WARM_ENV",
            "RUNTIME_ENV", "warm_available", "template_main", "report_and_linger",
-           "wait_for_reports", "REPORT_PREFIX"]
+           "wait_for_reports", "REPORT_PREFIX", "function_path", "load_function"]
 
 WARM_ENV = "ACCEL_WARM_START"
 # read only after import (at the first op, device listing or cluster use): a child may differ
@@ -321,6 +322,33 @@ def start_python(args: list[str], env: dict[str, str] | None = None, name: str =
     if not args or args[0] not in ("-m", "-c") or len(args) < 2:
         raise ValueError(f"args must start with '-m', MODULE or '-c', CODE, got {args!r}")
     return Child(args, _full_env(env, quiet_tensorflow), name, warm=warm)
+
+
+# ------------------------------------------------------------- a function sent to a child by name
+def function_path(fn, what: str = "function") -> str:
+    """``"module:qualname"`` of ``fn``, by which a child process imports it
+    (``load_function``): ``ValueError`` naming ``fn`` unless it is a module-level function of a
+    module a fresh Python can import (not ``__main__``, a notebook, a lambda or a closure)."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not callable(fn) or not module or not name or module == "__main__" or "<" in name:
+        raise ValueError(f"{what} must be a function defined at the top level of an importable "
+                         f"module (a child process imports it by name), got {fn!r}")
+    try:
+        found = load_function(f"{module}:{name}")
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{what} {fn!r} cannot be imported as {module}:{name}: {exc}") from exc
+    if found is not fn:
+        raise ValueError(f"{what} {fn!r}: {module}:{name} names another object")
+    return f"{module}:{name}"
+
+
+def load_function(path: str):
+    """The function that ``function_path`` named ``path`` (``"module:qualname"``)."""
+    module, _, name = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 # ------------------------------------------------------------- ending a collective group together

@@ -175,3 +175,18 @@ def test_waiting_for_reports_fails_clearly():
             procs.wait_for_reports([slow], timeout=0.5)
     finally:
         slow.stop(grace=0.0)
+
+
+def _local():
+    return None
+
+
+def test_a_function_travels_by_its_import_path():
+    from accel.models import mlp_apply
+
+    assert procs.function_path(mlp_apply) == "accel.models:mlp_apply"
+    assert procs.load_function("accel.models:mlp_apply") is mlp_apply
+    assert procs.load_function(procs.function_path(os.path.join)) is os.path.join
+    for bad in (lambda x: x, _local.__call__, None, 3):
+        with pytest.raises(ValueError, match="model_fn must be a function defined at the top"):
+            procs.function_path(bad, "model_fn")

@@ -19,13 +19,14 @@ EXERCISE_SHAPES = [(1000, 64), (64,), (64, 64), (64,), (64, 1), (1,)]
 
 def problem(steps: int = 6, global_batch: int = 32, sizes: tuple = (8, 16, 1),
             lr: float = 0.05, seed: int = 0) -> dict:
-    """``{"init", "batches", "lr", "reference"}``: the MLP's starting weights, one global batch
-    per step, the learning rate, and one device's SGD result on those batches."""
+    """``{"model_fn", "init", "batches", "lr", "reference"}``: the MLP (``accel.models.mlp_apply``)
+    and its starting weights, one global batch per step, the learning rate, and one device's SGD
+    result on those batches."""
     x, y, _ = datasets.regression(256, sizes[0], sizes[-1], seed=seed)
     init = models.mlp_init(list(sizes), seed=seed)
     batches = rep.global_batches(x, y, global_batch, steps)
-    return {"init": init, "batches": batches, "lr": lr,
-            "reference": rep.reference_sgd(init, batches, lr)}
+    return {"model_fn": models.mlp_apply, "init": init, "batches": batches, "lr": lr,
+            "reference": rep.reference_sgd(models.mlp_apply, init, batches, lr)}
 
 
 def bench(device_names: Sequence[str], quick: bool = False) -> dict:
@@ -37,7 +38,7 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     del device_names
     p = problem(steps=5 if quick else 60, global_batch=64 if quick else 256,
                 sizes=(8, 16, 1) if quick else (32, 256, 1))
-    args = (p["init"], p["batches"], p["lr"])
+    args = (p["model_fn"], p["init"], p["batches"], p["lr"])
     base = rep.single_process(*args)
     start = time.perf_counter()
     with LocalCluster(ps=1, workers=2) as cluster:

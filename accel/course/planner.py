@@ -33,6 +33,7 @@ def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
     chapter 11's tensor-parallel shards of a transformer block and chapter 15's ZeRO stages 1-3
     on 4 devices (bytes on one device)."""
     from accel.course import model_parallel as course09
+    from accel.course.zero import mlp_layer_fns
     from accel.parallel import megatron
     from accel.parallel import model as mp
     from accel.parallel.layers import mlp_layers
@@ -61,7 +62,8 @@ def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
             4 * sum(int(np.size(v)) for v in shard.values()))
     arrays = models.mlp_init([8, 16, 4])  # 144 + 68 parameters: 4 equal slices, no padding
     for stage in (1, 2, 3):
-        held = ZeroStep(arrays, device_names[:4], stage, squared_error).held_bytes()
+        held = ZeroStep(arrays, device_names[:4], stage, squared_error,
+                        layer_fns=mlp_layer_fns(arrays)).held_bytes()
         out[f"ch15 ZeRO {stage} over 4, one device"] = (
             int(sum(pl.state_bytes(144 + 68, "fp32", stage, 4))), held[device_names[0]]["total"])
     return out

@@ -1,6 +1,7 @@
 """Chapter 15's experiments: ZeRO stages and offload ready to time, the bytes they hold and send
 next to the paper's formulas, the ``zero`` benchmark, a figure and the exercise checks.
 
+* ``mlp_layer_fns(params)``: the MLP of ``accel.models.mlp_apply`` as ``ZeroStep``'s layers;
 * ``make_steps(device_names, n, sizes, batch)``: ``{"dp", "zero1", "zero2", "zero3",
   "offload"}`` -> (the step object, its inputs), same model, data and Adam;
 * ``held_table`` / ``sent_table``: per stage, the bytes one device holds / sends, counted and by
@@ -21,19 +22,27 @@ import numpy as np
 
 from accel import collectives, timing
 from accel.costmodel import zero as cost
-from accel.models import mlp_init
+from accel.models import mlp_apply, mlp_init
+from accel.parallel.layers import dense, linear
 from accel.parallel.offload import OffloadStep
 from accel.parallel.zero import ZeroStep
 from accel.training import squared_error
 
-__all__ = ["SIZES", "NAMES", "make_steps", "held_table", "sent_table", "time_steps", "bench",
-           "figure_zero_memory", "copy_of", "same_weights", "HOST_ADAM_BYTES_PER_PARAM",
-           "HOST_DRAM_BANDWIDTH", "HOST_DRAM_SOURCE", "offload_with_host_adam",
-           "host_adam_break_even_tokens", "check_stage_bytes", "check_offload_tokens"]
+__all__ = ["SIZES", "NAMES", "mlp_layer_fns", "make_steps", "held_table", "sent_table",
+           "time_steps", "bench", "figure_zero_memory", "copy_of", "same_weights",
+           "HOST_ADAM_BYTES_PER_PARAM", "HOST_DRAM_BANDWIDTH", "HOST_DRAM_SOURCE",
+           "offload_with_host_adam", "host_adam_break_even_tokens", "check_stage_bytes",
+           "check_offload_tokens"]
 
 # 64*256+256 = 16640 and 256*64+64 = 16448 parameters per layer: both divide by 2 and 4
 SIZES = [64, 256, 64]
 NAMES = ("dp", "zero1", "zero2", "zero3", "offload")
+
+
+def mlp_layer_fns(params) -> list:
+    """``ZeroStep``'s ``layer_fns`` for the MLP ``params`` (``[w0, b0, ...]``): ReLU layers and
+    a linear last one, the layers of ``accel.models.mlp_apply``."""
+    return [dense] * (len(params) // 2 - 1) + [linear]
 
 
 def make_steps(device_names: Sequence[str], n: int = 2, sizes: Sequence[int] = SIZES,
@@ -48,10 +57,12 @@ def make_steps(device_names: Sequence[str], n: int = 2, sizes: Sequence[int] = S
     y = rng.normal(size=(batch, sizes[-1])).astype(np.float32)
     xs = collectives.place(list(np.split(x, n)), devs)
     ys = collectives.place(list(np.split(y, n)), devs)
-    out = {name: (ZeroStep(params, devs, stage, squared_error), xs, ys)
+    out = {name: (ZeroStep(params, devs, stage, squared_error,
+                           layer_fns=mlp_layer_fns(params)), xs, ys)
            for stage, name in enumerate(NAMES[:4])}
     if n < len(device_names):
-        out["offload"] = (OffloadStep(params, devs, device_names[-1], squared_error), xs, ys)
+        out["offload"] = (OffloadStep(params, devs, device_names[-1], squared_error,
+                                      model_fn=mlp_apply), xs, ys)
     return out
 
 

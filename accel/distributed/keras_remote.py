@@ -26,7 +26,12 @@ a notebook kernel or a test runner. Here:
   The model travels as a ``.keras`` file (``model.save``; a custom layer must be registered with
   ``keras.saving.register_keras_serializable`` in a module or ``.py`` file listed in
   ``imports``, which the client imports first), the data as
-  ``.npz``; each run starts from the model's weights as given. Returns one ``RemoteFit`` per run:
+  ``.npz``; each run starts from the model's weights as given. The client takes the caller's
+  ``keras.config.floatx()`` and global dtype policy (``keras.config.dtype_policy()``), set
+  before it imports anything or rebuilds the model: a layer without a ``dtype`` (a sublayer a
+  custom layer makes, the form's own layers) and Keras's losses compute there as they would
+  here. (The cluster's tasks only run the ops the client places on them.) Returns one
+  ``RemoteFit`` per run:
   the trained weights, the loss per epoch, where each working variable and optimizer slot lives,
   which ops each device ran (the placed graphs of the form's ``tf.function`` steps, from
   TensorFlow's run metadata) and, for a pipeline, each device's order of tasks. ``model`` itself
@@ -196,7 +201,8 @@ def fit_on_cluster(cluster, model, x, y, runs: Sequence[Mapping], *, loss, optim
     devices; data: ``variable_device``) and, optionally, its own ``optimizer``. ``loss`` and
     ``optimizer`` are Keras objects or names (each run gets a fresh optimizer from the
     config). The client trains as the form's ``fit`` does (``TensorParallel``: ``compile``,
-    then Keras's ``fit`` in order), writes back, and reports. ``model`` is not changed.
+    then Keras's ``fit`` in order), in this process's ``keras.config.floatx()`` and dtype
+    policy, writes back, and reports. ``model`` is not changed.
 
     Errors: ``ValueError`` for a device of a task the cluster lacks, ``ConnectionError`` for
     a task that does not answer within ``connect_timeout``, ``ChildFailed`` with the client's
@@ -215,6 +221,8 @@ def fit_on_cluster(cluster, model, x, y, runs: Sequence[Mapping], *, loss, optim
         model.save(os.path.join(work, "model.keras"))
         np.savez(os.path.join(work, "data.npz"), x=np.asarray(x), y=np.asarray(y))
         request = {"cluster": spec, "runs": checked, "imports": list(imports),
+                   "floatx": keras.config.floatx(),
+                   "dtype_policy": keras.dtype_policies.serialize(keras.config.dtype_policy()),
                    "loss": _serialize(loss, keras.losses),
                    "batch_size": batch_size, "epochs": epochs, "work": work,
                    "connect_timeout": connect_timeout}
@@ -333,6 +341,10 @@ def _import(module: str) -> None:
 
 
 def _client(request: dict) -> dict:
+    import keras
+
+    keras.config.set_floatx(request["floatx"])  # the caller's, before any layer is made
+    keras.config.set_dtype_policy(keras.dtype_policies.deserialize(request["dtype_policy"]))
     for module in request["imports"]:
         _import(module)
     start = time.perf_counter()

@@ -11,6 +11,10 @@
   filled in order, so the two gradients of one synchronous update are the two halves of one
   global batch, whichever worker computes which.
 
+The model is the caller's: ``model_fn(params, x)`` returns the predictions of the weights
+``params`` (the list ``init`` gives the first values of), trained on the mean squared error; the
+client processes import it by name, so it must be a top-level function of an importable module.
+
 Every run lives in its own resource container on the ps, emptied afterwards with
 ``Session.reset``, so one cluster serves many runs. Asynchronous runs count versions (a counter on
 the ps), return ``accel.parallel.staleness.UpdateRecord``s and the sum of every gradient they
@@ -28,15 +32,16 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
 
-from accel import checks, models, training
+from accel import checks, training
 from accel.distributed.cluster import task_device
 from accel.parallel.staleness import UpdateRecord
-from accel.procs import start_python
+from accel.procs import function_path, load_function, start_python
 
 __all__ = ["MODES", "RunResult", "global_batches", "reference_sgd", "single_process", "in_graph",
            "between_graph", "read_params", "client"]
@@ -67,29 +72,39 @@ def global_batches(x: np.ndarray, y: np.ndarray, global_batch: int, steps: int) 
     return [(x[r], y[r]) for r in rows]
 
 
-def _loss(params, x, y):
-    return tf.reduce_mean(training.squared_error(y, models.mlp_apply(params, x)))
+def _loss(model_fn, params, x, y):
+    return tf.reduce_mean(training.squared_error(y, model_fn(params, x)))
 
 
-def reference_sgd(init: list[np.ndarray], batches: list, learning_rate: float) -> list[np.ndarray]:
-    """Plain SGD on one device, one step per global batch: what synchronous runs must equal."""
+def _check_model_fn(model_fn) -> None:
+    if not callable(model_fn):
+        raise ValueError(f"model_fn must be a function model_fn(params, x), got {model_fn!r}")
+
+
+def reference_sgd(model_fn: Callable, init: list[np.ndarray], batches: list,
+                  learning_rate: float) -> list[np.ndarray]:
+    """Plain SGD of ``model_fn`` on one device, one step per global batch: what synchronous
+    runs must equal."""
+    _check_model_fn(model_fn)
     params = [tf.Variable(p) for p in init]
     for xb, yb in batches:
         with tf.GradientTape() as tape:
-            loss = _loss(params, xb, yb)
+            loss = _loss(model_fn, params, xb, yb)
         for p, g in zip(params, tape.gradient(loss, params), strict=True):
             p.assign_sub(learning_rate * g)
     return [p.numpy() for p in params]
 
 
-def single_process(init: list[np.ndarray], batches: list, learning_rate: float) -> RunResult:
+def single_process(model_fn: Callable, init: list[np.ndarray], batches: list,
+                   learning_rate: float) -> RunResult:
     """The baseline: the same TF1 graph and SGD step on the global batch, one local session."""
+    _check_model_fn(model_fn)
     with tf.Graph().as_default():
         params = [tf.Variable(p) for p in init]
         xb = tf.compat.v1.placeholder(tf.float32, (None,) + batches[0][0].shape[1:])
         yb = tf.compat.v1.placeholder(tf.float32, (None,) + batches[0][1].shape[1:])
         sgd = tf.compat.v1.train.GradientDescentOptimizer(learning_rate)
-        train = sgd.minimize(_loss(params, xb, yb))
+        train = sgd.minimize(_loss(model_fn, params, xb, yb))
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             start = time.perf_counter()
@@ -124,10 +139,11 @@ def _config(filters: list[str], timeout_s: float = 120.0):
                                     operation_timeout_in_ms=int(timeout_s * 1000))
 
 
-def in_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: list, learning_rate: float,
-             container: str = "in-graph") -> RunResult:
+def in_graph(cluster: dict, mode: str, model_fn: Callable, init: list[np.ndarray],
+             batches: list, learning_rate: float, container: str = "in-graph") -> RunResult:
     """One client, one graph, a replica per worker; see the module docstring."""
     checks.one_of("mode", mode, MODES)
+    _check_model_fn(model_fn)
     n = len(cluster["worker"])
     target = "grpc://" + cluster["worker"][0]
     with tf.Graph().as_default(), tf.compat.v1.container(container):
@@ -140,7 +156,7 @@ def in_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: list, le
                 xw = tf.compat.v1.placeholder(tf.float32, (None,) + batches[0][0].shape[1:])
                 yw = tf.compat.v1.placeholder(tf.float32, (None,) + batches[0][1].shape[1:])
                 reads.append(version.read_value())
-                losses.append(_loss(params, xw, yw))
+                losses.append(_loss(model_fn, params, xw, yw))
                 grads.append(tf.gradients(losses[-1], params))
                 feeds.append((xw, yw))
         opt = tf.compat.v1.train.GradientDescentOptimizer(learning_rate)
@@ -202,12 +218,13 @@ def _data_queue(shapes: list[tuple], capacity: int):
                                   shapes=[(), *shapes], shared_name="data", name="data")
 
 
-def between_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: list,
-                  learning_rate: float, container: str = "between-graph",
+def between_graph(cluster: dict, mode: str, model_fn: Callable, init: list[np.ndarray],
+                  batches: list, learning_rate: float, container: str = "between-graph",
                   timeout: float = 180.0) -> RunResult:
     """A client process per worker; see the module docstring. The caller's process only fills
     the data queue on the ps, starts the clients, waits for them and reads the result."""
     checks.one_of("mode", mode, MODES)
+    model_path = function_path(model_fn, "model_fn")
     n = len(cluster["worker"])
     target = "grpc://" + cluster["ps"][0]
     items = [(s * n + w, *h) for s, b in enumerate(batches) for w, h in enumerate(_halves(b, n))]
@@ -224,8 +241,8 @@ def between_graph(cluster: dict, mode: str, init: list[np.ndarray], batches: lis
             sess.run(tf.compat.v1.global_variables_initializer())
             sess.run(fill)
     spec = {"cluster": cluster, "mode": mode, "container": container,
-            "learning_rate": learning_rate,
-            "sizes": [int(p.shape[0]) for p in init[::2]] + [int(init[-1].shape[0])],
+            "learning_rate": learning_rate, "model_fn": model_path,
+            "param_shapes": [list(np.shape(p)) for p in init],
             "shapes": [list(s) for s in shapes], "steps": len(batches)}
     children = [start_python(["-m", "accel.distributed.replication", "client",
                               json.dumps({**spec, "worker": w})], name=f"client of worker:{w}")
@@ -262,7 +279,8 @@ def client(spec: dict) -> dict:
     after its set-up and at its end, and (async) its records and the sum of its gradients."""
     cluster, w, mode = spec["cluster"], spec["worker"], spec["mode"]
     n, steps = len(cluster["worker"]), spec["steps"]
-    init = [np.zeros(s, np.float32) for s in _param_shapes(spec["sizes"])]
+    init = [np.zeros(s, np.float32) for s in spec["param_shapes"]]
+    model_fn = load_function(spec["model_fn"])
     with tf.Graph().as_default(), tf.compat.v1.container(spec["container"]):
         params = _ps_variables(init)
         with tf.device(PS):
@@ -274,7 +292,7 @@ def client(spec: dict) -> dict:
         with tf.device(task_device("worker", w)):
             index, xb, yb = queue.dequeue()
             read = version.read_value()
-            loss = _loss(params, xb, yb)
+            loss = _loss(model_fn, params, xb, yb)
             grads = tf.gradients(loss, params)
             opt = tf.compat.v1.train.GradientDescentOptimizer(spec["learning_rate"])
             if mode == "async":
@@ -313,10 +331,6 @@ def client(spec: dict) -> dict:
                     token = int(sess.run(train))
             return {"ready": ready, "done": time.time(), "records": records,
                     "gradient_sum": [g.tolist() for g in sums]}
-
-
-def _param_shapes(sizes: list[int]) -> list[tuple]:
-    return [s for a, b in zip(sizes[:-1], sizes[1:], strict=True) for s in ((a, b), (b,))]
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@
 * The seeds' ensembles: ``in_graph_ensemble`` (one client, one network per worker task, the
   average built in the same graph) and ``between_graph_ensemble`` (a client process per worker
   reading its own input queue and writing to a shared prediction queue; the caller averages).
+  A network is ``model_fn(params, x)`` with its own ``params`` (the caller's function; the
+  clients import it by name, so a top-level function of an importable module).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 
-from accel import checks, models
+from accel import checks
 from accel.distributed.cluster import task_device
-from accel.procs import start_python
+from accel.procs import function_path, load_function, start_python
 
 __all__ = ["ByteSizeStrategy", "variable_bytes", "bytes_per_task", "visit", "mailbox",
            "in_graph_ensemble", "between_graph_ensemble"]
@@ -97,13 +100,17 @@ def _visit(spec: dict) -> int:
             return int(sess.run(added))
 
 
-def in_graph_ensemble(cluster: dict, nets: list[list[np.ndarray]], x: np.ndarray) -> np.ndarray:
-    """Average of the networks' predictions, network ``w`` on worker ``w``, one graph."""
+def in_graph_ensemble(cluster: dict, model_fn: Callable, nets: list[list[np.ndarray]],
+                      x: np.ndarray) -> np.ndarray:
+    """Average of the networks' predictions ``model_fn(net, x)``, network ``w`` on worker ``w``,
+    one graph."""
+    if not callable(model_fn):
+        raise ValueError(f"model_fn must be a function model_fn(params, x), got {model_fn!r}")
     with tf.Graph().as_default():
         preds = []
         for w, net in enumerate(nets):
             with tf.device(task_device("worker", w % len(cluster["worker"]))):
-                preds.append(models.mlp_apply([tf.constant(p) for p in net], x))
+                preds.append(model_fn([tf.constant(p) for p in net], x))
         with tf.device(PS):
             mean = tf.add_n(preds) / len(preds)
         config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", "/job:worker"])
@@ -120,13 +127,17 @@ def _queues(n: int, features: int, outputs: int):
     return inputs, preds
 
 
-def between_graph_ensemble(cluster: dict, nets: list[list[np.ndarray]], x: np.ndarray,
-                           container: str = "ensemble", wait_ms: int = 2000,
+def between_graph_ensemble(cluster: dict, model_fn: Callable, nets: list[list[np.ndarray]],
+                           x: np.ndarray, container: str = "ensemble", wait_ms: int = 2000,
                            timeout: float = 120) -> tuple[np.ndarray, str]:
-    """Each worker's client predicts every row of ``x`` it finds in its input queue; the caller
-    averages the predictions it dequeues. Returns ``(average, error)``: ``error`` names what
-    one more dequeue raised after the last prediction (the ``wait_ms`` timeout)."""
-    n, outputs = len(nets), int(nets[0][-1].shape[0])
+    """Each worker's client predicts (``model_fn(net, rows)``) every row of ``x`` it finds in
+    its input queue; the caller averages the predictions it dequeues. Returns ``(average,
+    error)``: ``error`` names what one more dequeue raised after the last prediction (the
+    ``wait_ms`` timeout)."""
+    path = function_path(model_fn, "model_fn")
+    n = len(nets)
+    with tf.Graph().as_default():  # the width of a prediction, from the graph (nothing runs)
+        outputs = int(model_fn([tf.constant(p) for p in nets[0]], tf.constant(x[:1])).shape[-1])
     with tf.Graph().as_default(), tf.compat.v1.container(container):
         inputs, preds = _queues(n, x.shape[1], outputs)
         fill = [q.enqueue_many([np.arange(len(x)), x]) for q in inputs]
@@ -140,7 +151,8 @@ def between_graph_ensemble(cluster: dict, nets: list[list[np.ndarray]], x: np.nd
             sess.run(close)  # after the rows: a closed queue still hands out what it holds
             children = [start_python(["-m", "accel.distributed.shared", "predict", json.dumps(
                 {"cluster": cluster, "worker": w, "net": [p.tolist() for p in net],
-                 "container": container, "n": n, "features": x.shape[1]})],
+                 "model_fn": path, "container": container, "n": n, "features": x.shape[1],
+                 "outputs": outputs})],
                 name=f"client of worker:{w}") for w, net in enumerate(nets)]
             try:
                 for child in children:
@@ -165,11 +177,12 @@ def between_graph_ensemble(cluster: dict, nets: list[list[np.ndarray]], x: np.nd
 def _predict(spec: dict) -> None:
     w, n = spec["worker"], spec["n"]
     net = [np.array(p, np.float32) for p in spec["net"]]
+    model_fn = load_function(spec["model_fn"])
     with tf.Graph().as_default(), tf.compat.v1.container(spec["container"]):
-        inputs, preds = _queues(n, spec["features"], net[-1].shape[0])
+        inputs, preds = _queues(n, spec["features"], spec["outputs"])
         with tf.device(task_device("worker", w)):
             i, row = inputs[w].dequeue()
-            pred = models.mlp_apply(net, row[None, :])[0]
+            pred = model_fn(net, row[None, :])[0]
         put = preds.enqueue([i, tf.constant(w, tf.int64), pred])
         config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", task_device("worker", w)],
                                           operation_timeout_in_ms=60_000)

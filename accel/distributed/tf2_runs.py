@@ -15,6 +15,10 @@
   ``mirrored_run`` starts one process per worker with only ``TF_CONFIG`` set; each takes its
   slice of every global batch.
 
+The model is the caller's ``model_fn(params, x)`` (predictions), trained on the squared error
+as in ``accel.distributed.replication``; the processes import it by name, so it must be a
+top-level function of an importable module.
+
 Keras 3's ``fit`` does not run under either strategy; both runs are custom loops (chapter 14
 runs ``accel.parallel.strategies.train_loop`` under both instead).
 """
@@ -27,21 +31,30 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 
-from accel import models, training
+from accel import training
 from accel.distributed.cluster import LocalCluster, make_cluster, parse_tf_config, tf_config
-from accel.procs import ChildFailed, report_and_linger, start_python, wait_for_reports
+from accel.procs import (
+    ChildFailed,
+    function_path,
+    load_function,
+    report_and_linger,
+    start_python,
+    wait_for_reports,
+)
 
 __all__ = ["coordinated_run", "mirrored_run"]
 
 IN_FLIGHT = "in flight: "  # the coordinator's line that asks the caller to kill a worker now
 
 
-def _spec(init, batches, learning_rate) -> dict:
-    return {"init": [p.tolist() for p in init], "x": [b[0].tolist() for b in batches],
-            "y": [b[1].tolist() for b in batches], "learning_rate": learning_rate}
+def _spec(model_fn, init, batches, learning_rate) -> dict:
+    return {"model_fn": function_path(model_fn, "model_fn"), "init": [p.tolist() for p in init],
+            "x": [b[0].tolist() for b in batches], "y": [b[1].tolist() for b in batches],
+            "learning_rate": learning_rate}
 
 
 def _wait_json(child, timeout: float, progress=None) -> dict:
@@ -66,11 +79,11 @@ def _spec_file(spec: dict) -> str:
     return f.name
 
 
-def coordinated_run(cluster: LocalCluster, init: list[np.ndarray], batches: list,
-                    learning_rate: float, kill_mid_step: bool = False,
+def coordinated_run(cluster: LocalCluster, model_fn: Callable, init: list[np.ndarray],
+                    batches: list, learning_rate: float, kill_mid_step: bool = False,
                     timeout: float = 240.0) -> dict:
-    """Train with ``ParameterServerStrategy`` on ``cluster`` (its ``chief`` task left to the
-    coordinator process), one function per global batch. Returns ``{"params", "devices",
+    """Train ``model_fn`` with ``ParameterServerStrategy`` on ``cluster`` (its ``chief`` task
+    left to the coordinator process), one function per global batch. Returns ``{"params", "devices",
     "scheduled", "applied", "finished", "killed", "at_kill"}``: the device of each weight (the
     strategy deals them to the ps tasks round-robin), updates the ps applied, functions that ran
     to their end, and (with ``kill_mid_step``) the same counts when the last worker was killed."""
@@ -78,7 +91,8 @@ def coordinated_run(cluster: LocalCluster, init: list[np.ndarray], batches: list
         raise ValueError("the cluster needs a chief task that it does not start itself "
                          "(LocalCluster(chief=True, skip=[('chief', 0)])): the coordinator")
     victim = len(cluster.cluster["worker"]) - 1
-    path = _spec_file({**_spec(init, batches, learning_rate), "kill": bool(kill_mid_step),
+    path = _spec_file({**_spec(model_fn, init, batches, learning_rate),
+                       "kill": bool(kill_mid_step),
                        "victim": cluster.cluster["worker"][victim]})
     child = start_python(["-m", "accel.distributed.tf2_runs", "coordinator", path],
                          env={"TF_CONFIG": tf_config(cluster.cluster, "chief", 0)},
@@ -101,12 +115,14 @@ def coordinated_run(cluster: LocalCluster, init: list[np.ndarray], batches: list
     return {**report, "killed": [("worker", k) for k in killed], "at_kill": at_kill}
 
 
-def mirrored_run(init: list[np.ndarray], batches: list, learning_rate: float, workers: int = 2,
-                 host: str = "127.0.0.1", timeout: float = 240.0) -> list[list[np.ndarray]]:
-    """Train with ``MultiWorkerMirroredStrategy`` in ``workers`` processes started with only
-    ``TF_CONFIG``; returns each worker's final weights."""
+def mirrored_run(model_fn: Callable, init: list[np.ndarray], batches: list,
+                 learning_rate: float, workers: int = 2, host: str = "127.0.0.1",
+                 timeout: float = 240.0) -> list[list[np.ndarray]]:
+    """Train ``model_fn`` with ``MultiWorkerMirroredStrategy`` in ``workers`` processes started
+    with only ``TF_CONFIG``; returns each worker's final weights."""
+    spec = _spec(model_fn, init, batches, learning_rate)
     cluster = make_cluster(ps=0, workers=workers, host=host)
-    path = _spec_file(_spec(init, batches, learning_rate))
+    path = _spec_file(spec)
     children = [start_python(["-m", "accel.distributed.tf2_runs", "mirrored", path],
                              env={"TF_CONFIG": tf_config(cluster, "worker", w)},
                              name=f"worker:{w}") for w in range(workers)]
@@ -119,8 +135,8 @@ def mirrored_run(init: list[np.ndarray], batches: list, learning_rate: float, wo
     return [[np.array(p, np.float32) for p in r["params"]] for r in reports]
 
 
-def _loss_sum(params, x, y):
-    return _tf().reduce_sum(training.squared_error(y, models.mlp_apply(params, x)))
+def _loss_sum(model_fn, params, x, y):
+    return _tf().reduce_sum(training.squared_error(y, model_fn(params, x)))
 
 
 def _tf():
@@ -141,6 +157,7 @@ def _coordinator(spec: dict) -> dict:
         finished = tf.Variable(0, dtype=tf.int64)
     xs, ys = np.array(spec["x"], np.float32), np.array(spec["y"], np.float32)
     steps, workers, kill = len(xs), len(cluster["worker"]), spec.get("kill", False)
+    model_fn = load_function(spec["model_fn"])
     with tf.device("/job:ps/task:0"):  # the gate: a function ends only after taking a token
         gate = tf.queue.FIFOQueue(2 * steps + workers + 2, tf.int64, shapes=(),
                                   shared_name="gate")
@@ -149,7 +166,7 @@ def _coordinator(spec: dict) -> dict:
     def step(s):
         xb, yb = tf.gather(xs, s), tf.gather(ys, s)
         with tf.GradientTape() as tape:
-            loss = _loss_sum(params, xb, yb) / xs.shape[1]
+            loss = _loss_sum(model_fn, params, xb, yb) / xs.shape[1]
         for v, g in zip(params, tape.gradient(loss, params), strict=True):
             v.assign_sub(spec["learning_rate"] * g)
         applied.assign_add(1)
@@ -194,13 +211,13 @@ def _mirrored(spec: dict) -> dict:
     n = strategy.num_replicas_in_sync
     with strategy.scope():
         params = [tf.Variable(np.array(p, np.float32)) for p in spec["init"]]
-    learning_rate = spec["learning_rate"]
+    learning_rate, model_fn = spec["learning_rate"], load_function(spec["model_fn"])
 
     @tf.function
     def step(xb, yb, global_batch):
         def replica(xb, yb):
             with tf.GradientTape() as tape:
-                loss = _loss_sum(params, xb, yb) / global_batch
+                loss = _loss_sum(model_fn, params, xb, yb) / global_batch
             grads = tf.distribute.get_replica_context().all_reduce(
                 "sum", tape.gradient(loss, params))
             for v, g in zip(params, grads, strict=True):

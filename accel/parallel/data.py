@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from accel import checks
 from accel.devices import parse_device
+from accel.parallel import keras_model as km
 from accel.training import make_update
 
 __all__ = [
@@ -90,8 +91,21 @@ def split_batch(batch, n: int, remainder: str = "error") -> list:
     return [tf.nest.pack_sequence_as(batch, [s[i] for s in shards]) for i in range(n)]
 
 
+def _average_slices(grads: list, have: list[int], n: int, missing: str,
+                    weights: Sequence | None) -> tf.IndexedSlices:
+    """The towers' ``IndexedSlices`` averaged as ``average_gradients`` averages dense ones,
+    kept sparse: every tower's rows, each scaled by its tower's coefficient."""
+    if weights is None:
+        coefficients = [1.0 / (n if missing == "zero" else len(have))] * len(have)
+    else:
+        w = [weights[i] for i in have]
+        norm = sum(w) if missing == "skip" else 1.0
+        coefficients = [wi / norm for wi in w]
+    return km.merge_gradients(grads, coefficients)
+
+
 def average_gradients(tower_grads: Sequence[Sequence[tuple]], missing: str = "zero",
-                      weights: Sequence | None = None) -> list[tuple]:
+                      weights: Sequence | None = None, sparse: bool = False) -> list[tuple]:
     """Average per-tower ``(gradient, variable)`` lists into one list of ``(gradient, variable)``.
 
     ``tower_grads[i][j]`` is tower ``i``'s pair for variable ``j``; every tower must list the
@@ -109,8 +123,12 @@ def average_gradients(tower_grads: Sequence[Sequence[tuple]], missing: str = "ze
     towers whose shards differ in size; the result is then ``sum_i weights[i] * g_i`` (with
     ``"skip"``: renormalised over the towers that have a gradient). ``None``: equal weights.
 
-    ``tf.IndexedSlices`` gradients are made dense first. The ops run on the current device, so
-    call it under ``tf.device(variable_device)`` to average where the variables live.
+    ``tf.IndexedSlices`` gradients (an ``Embedding``'s) are made dense first, unless
+    ``sparse=True``: then they stay ``IndexedSlices`` holding every tower's rows, scaled, so
+    that a Keras optimizer updates as ``model.fit`` on the whole batch does (Keras's Adam squares
+    each row of a sparse gradient separately; ``accel.parallel.keras_model.merge_gradients``).
+    The ops run on the current device, so call it under ``tf.device(variable_device)`` to
+    average where the variables live.
     """
     checks.one_of("missing", missing, MISSING)
     if weights is not None and len(weights) != len(tower_grads):
@@ -128,6 +146,10 @@ def average_gradients(tower_grads: Sequence[Sequence[tuple]], missing: str = "ze
             raise ValueError(f"position {j}: the towers list different variables "
                              f"({[getattr(v, 'name', v) for _, v in pairs]})")
         have = [i for i, (g, _) in enumerate(pairs) if g is not None]
+        if sparse and any(isinstance(pairs[i][0], tf.IndexedSlices) for i in have):
+            averaged.append((_average_slices([pairs[i][0] for i in have], have, len(pairs),
+                                             missing, weights), var))
+            continue
         grads = [tf.convert_to_tensor(pairs[i][0]) for i in have]
         if not grads:
             averaged.append((None, var))
@@ -154,11 +176,18 @@ def make_variables(arrays: Sequence, device: str) -> list[tf.Variable]:
 
 
 def _model_parts(model_fn, params_or_model, device: str):
-    """(forward(x), trainable variables) for a Keras model or a list of arrays/variables."""
+    """(forward(x) -> (prediction, added loss terms), trainable variables) for a Keras model
+    (its ``model.losses`` after the call: regularizers, ``add_loss``) or a list of
+    arrays/variables (no added terms)."""
     if isinstance(params_or_model, tf.keras.Model):
         model = params_or_model
         _check_variables_on(model.trainable_variables, device)
-        return (lambda x: model(x, training=True)), list(model.trainable_variables)
+
+        def forward(x):
+            pred = model(x, training=True)
+            return pred, list(model.losses)
+
+        return forward, list(model.trainable_variables)
     if model_fn is None:
         raise ValueError("model_fn is required unless params_or_model is a Keras model")
     params = list(params_or_model)
@@ -167,7 +196,17 @@ def _model_parts(model_fn, params_or_model, device: str):
     if not all(isinstance(p, tf.Variable) for p in params):
         params = make_variables(params, device)
     _check_variables_on(params, device)
-    return (lambda x: model_fn(params, x)), params
+    return (lambda x: (model_fn(params, x), [])), params
+
+
+def _loss(loss_fn, y, forward, x):
+    """The batch's training loss: the mean of ``loss_fn`` plus the model's added terms (as
+    Keras's ``Trainer.compute_loss``: ``accel.parallel.keras_model.training_loss``)."""
+    pred, terms = forward(x)
+    loss = tf.reduce_mean(loss_fn(y, pred))
+    for term in terms:
+        loss += tf.cast(tf.reduce_sum(term), loss.dtype)
+    return loss
 
 
 def _check_variables_on(variables, device: str) -> None:
@@ -201,7 +240,7 @@ def _shard_weights(xs: list) -> list | None:
 
 def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_model,
                     optimizer, devices: Sequence[str], variable_device: str | None = None,
-                    remainder: str = "error"):
+                    remainder: str = "error", sparse: bool = False):
     """One synchronous data-parallel training step over ``devices``, as a ``tf.function``.
 
     * ``model_fn(params, x)`` -> predictions (ignored when ``params_or_model`` is a Keras model);
@@ -218,9 +257,13 @@ def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_mode
     ``split_batch(..., remainder)``) or tuples of ``len(devices)`` per-tower shards (a tuple or
     list ``x`` is always read as shards, one per device; shards of different sizes are weighted
     by their share of the examples, so the update is still the whole batch's), and returns the
-    batch's mean loss. ``step.variables`` are the trained variables. The step is traced without
-    AutoGraph, like Keras's own train step: ``model_fn``, ``loss_fn`` and the model's ``call``
-    must not branch in Python on a tensor's value (use ``tf.cond`` / ``keras.ops.cond``).
+    batch's mean loss (plus a Keras model's ``model.losses``, as ``fit`` adds them: each tower
+    adds its own call's terms, and the towers' gradients are averaged, so a regularizer counts
+    once). ``sparse=True``: embedding gradients stay ``IndexedSlices``
+    (``average_gradients``; needs an optimizer object). ``step.variables`` are the trained
+    variables. The step is traced without AutoGraph, like Keras's own train step:
+    ``model_fn``, ``loss_fn`` and the model's ``call`` must not branch in Python on a tensor's
+    value (use ``tf.cond`` / ``keras.ops.cond``).
     """
     devices = [parse_device(d).to_string() for d in devices]
     if not devices:
@@ -245,12 +288,14 @@ def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_mode
         for i, (device, (xs, ys)) in enumerate(zip(devices, shards, strict=True)):
             with tf.device(device), tf.name_scope(f"tower_{i}"):
                 with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(loss_fn(ys, forward(xs)))
-                grads = tape.gradient(loss, variables)
+                    loss = _loss(loss_fn, ys, forward, xs)
+                # a LossScaleOptimizer's scale seeds the backward (fit scales the loss)
+                grads = tape.gradient(loss, variables,
+                                      output_gradients=km.loss_scale(optimizer, loss.dtype))
             tower_grads.append(list(zip(grads, variables, strict=True)))
             losses.append(loss)
         with tf.device(variable_device), tf.name_scope("update"):
-            update(average_gradients(tower_grads, weights=weights))
+            update(average_gradients(tower_grads, weights=weights, sparse=sparse))
             if weights is None:
                 return tf.add_n(losses) / float(n)
             return tf.add_n([w * loss for w, loss in zip(weights, losses, strict=True)])
@@ -271,8 +316,9 @@ def make_single_step(model_fn: Callable | None, loss_fn: Callable, params_or_mod
     def step(x, y):
         with tf.device(device):
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(loss_fn(y, forward(x)))
-            grads = tape.gradient(loss, variables)
+                loss = _loss(loss_fn, y, forward, x)
+            grads = tape.gradient(loss, variables,
+                                  output_gradients=km.loss_scale(optimizer, loss.dtype))
             update(list(zip(grads, variables, strict=True)))
             return loss
 
@@ -303,15 +349,20 @@ class DataParallel:
     * ``fit(x, y, batch_size, epochs)``: Keras-style (``batch_size`` a multiple of the number
       of devices), then ``write_back()`` puts the weights into the user's model.
 
+    What it trains is what ``fit`` trains: the loss plus ``model.losses`` (regularizers,
+    ``add_loss``), each tower adding its own call's terms, the towers' gradients averaged (as
+    Keras under a ``tf.distribute`` strategy). An ``Embedding``'s gradient stays sparse (every
+    tower's rows), so Keras's optimizers update as ``model.fit`` on one device does.
+
     BatchNormalization: each tower normalises its own shard and updates the moving statistics
-    from it, tower after tower (per-replica batch norm; ``MirroredStrategy`` with
-    ``BatchNormalization(synchronized=True)`` normalises over the whole batch instead).
+    from it, tower after tower (per-replica batch norm): with an optimizer without bias
+    correction (SGD) the step equals ``fit`` on the ``n`` shards in turn with
+    ``gradient_accumulation_steps=n``; ``MirroredStrategy`` with
+    ``BatchNormalization(synchronized=True)`` normalises over the whole batch instead.
     """
 
     def __init__(self, model, devices: Sequence[str], *, loss, optimizer,
                  variable_device: str | None = None):
-        from accel.parallel import keras_model as km
-
         self.devices = [parse_device(d).to_string() for d in devices]
         if not self.devices:
             raise ValueError("devices is empty: give at least one device name")
@@ -320,7 +371,7 @@ class DataParallel:
         self.copy = km.copy_model(model, self.variable_device)
         self.optimizer = km.fresh_optimizer(optimizer)
         self._step = make_tower_step(None, km.loss_function(loss), self.copy, self.optimizer,
-                                     self.devices, self.variable_device)
+                                     self.devices, self.variable_device, sparse=True)
 
     def train_step(self, x, y) -> float:
         """One synchronous step over the towers; the batch's mean loss."""

@@ -21,7 +21,21 @@ way, written once here:
 * ``fresh_optimizer(optimizer)`` and ``loss_function(loss)``: a Keras optimizer (an object or a
   name such as ``"adam"``) copied from its config, so that the user's optimizer is never bound
   to the copies' variables, and a Keras loss (an object, a name, or a function of
-  ``(y_true, y_pred)``) whose mean over a batch is the training loss.
+  ``(y_true, y_pred)``) whose mean over a batch is the training loss;
+* ``call_layers(layers, x)`` and ``training_loss(loss_fn, y, y_pred, added)``: what every form
+  trains, the loss Keras's ``Trainer.compute_loss`` gives ``fit``: the compiled loss's mean over
+  the batch **plus every term of** ``model.losses`` (kernel, bias and activity regularizers,
+  ``add_loss``), each summed, as ``Trainer._aggregate_additional_loss`` does. A form that splits
+  the batch (replicas, micro-batches) gives each part its share of the whole, as Keras does
+  under a ``tf.distribute`` strategy (``losses.loss.scale_loss_for_distribution`` divides the
+  compiled loss *and* each added term by the number of replicas, whose gradients are then
+  summed): the weight regularizers then count once per step, and a term that is a mean over the
+  examples (a VAE's KL term) equals the whole batch's; a term that *sums* over the examples (an
+  activity regularizer) counts the mean over the parts, as under ``MirroredStrategy``;
+* ``merge_gradients(grads, coefficients)``: ``sum_i c_i g_i`` for dense gradients and, for the
+  ``tf.IndexedSlices`` an ``Embedding`` produces, the slices concatenated with their values
+  scaled, so that the optimizer sees every row of every part as ``model.fit`` sees the whole
+  batch's (Keras's Adam squares each slice separately: densifying first would change the update).
 
 No private Keras attribute is used: only ``get_config``, ``from_config``, ``get_weights``,
 ``set_weights``, ``trainable_weights``, ``non_trainable_weights`` and calling the layers.
@@ -40,7 +54,8 @@ from accel.placement import short_device
 
 __all__ = ["sequential_layers", "input_shape_of", "balance_layers", "copy_model", "copy_layers",
            "copy_parts", "output_shape_of", "write_back", "fresh_optimizer", "loss_function",
-           "variable_devices", "fit_loop"]
+           "variable_devices", "fit_loop", "call_layers", "added_loss", "training_loss",
+           "merge_gradients", "is_sparse", "loss_scale"]
 
 
 def sequential_layers(model) -> list:
@@ -254,6 +269,78 @@ def fit_loop(step: Callable, x, y, batch_size: int | None, epochs: int, verbose:
     sync()
     hooks.on_train_end()
     return next(c for c in hooks.callbacks if isinstance(c, keras.callbacks.History))
+
+
+def call_layers(layers: Sequence, x, training: bool = True):
+    """``(output, terms)``: ``x`` through ``layers`` in order, and the terms each layer put in
+    its ``losses`` during the call (``add_loss``, activity regularizers) plus its weights'
+    regularizers (Keras clears a layer's added losses at the start of each outermost call, so
+    they are read right after it)."""
+    terms = []
+    for layer in layers:
+        x = layer(x, training=training)
+        terms.extend(layer.losses)
+    return x, terms
+
+
+def added_loss(terms: Sequence, dtype=None):
+    """The sum of ``model.losses``-style ``terms`` as ``fit`` adds them (each term summed,
+    cast to ``dtype``, default ``keras.config.floatx()``), or ``None`` for no terms."""
+    if not terms:
+        return None
+    dtype = dtype or keras.config.floatx()
+    summed = [tf.cast(tf.reduce_sum(t), dtype) for t in terms]
+    return tf.add_n(summed) if len(summed) > 1 else summed[0]
+
+
+def training_loss(loss_fn: Callable, y, y_pred, terms: Sequence = ()):
+    """The training loss of one batch as ``fit`` computes it: the mean of ``loss_fn(y,
+    y_pred)`` plus ``added_loss(terms)`` (``model.losses`` after the call)."""
+    loss = tf.reduce_mean(loss_fn(y, y_pred))
+    extra = added_loss(terms, loss.dtype)
+    return loss if extra is None else loss + extra
+
+
+def loss_scale(optimizer, dtype="float32"):
+    """The factor Keras's ``fit`` multiplies the loss by before taking gradients
+    (``optimizer.scale_loss``: a ``LossScaleOptimizer``'s current scale, or the optimizer's
+    ``loss_scale_factor``), as a tensor of ``dtype``; ``None`` where it is 1 (no scaling) or
+    ``optimizer`` is a plain learning rate. A form seeds its backward pass with it
+    (``output_gradients``), and the optimizer divides it out again when it applies."""
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        return None
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
+            optimizer.loss_scale_factor is None:
+        return None
+    return tf.cast(optimizer.scale_loss(tf.ones((), "float32")), dtype)
+
+
+def is_sparse(gradient) -> bool:
+    """Whether ``gradient`` is a ``tf.IndexedSlices`` (an embedding's gradient)."""
+    return isinstance(gradient, tf.IndexedSlices)
+
+
+def merge_gradients(grads: Sequence, coefficients: Sequence[float] | None = None):
+    """``sum_i c_i * grads[i]`` (``None`` entries skipped; ``coefficients`` default 1): dense
+    tensors added; if any is a ``tf.IndexedSlices``, the result is one ``IndexedSlices`` with
+    every part's rows, values scaled by their ``c_i`` (dense parts become slices of every row).
+    Runs on the current device."""
+    coefficients = [1.0] * len(grads) if coefficients is None else list(coefficients)
+    pairs = [(g, c) for g, c in zip(grads, coefficients, strict=True) if g is not None]
+    if not pairs:
+        return None
+    if not any(is_sparse(g) for g, _ in pairs):
+        terms = [g if c == 1.0 else tf.cast(c, g.dtype) * g for g, c in pairs]
+        return tf.add_n(terms) if len(terms) > 1 else terms[0]
+    values, indices, shape = [], [], None
+    for g, c in pairs:
+        if not is_sparse(g):  # a dense gradient: every row a slice
+            g = tf.IndexedSlices(g, tf.range(tf.shape(g, out_type=tf.int64)[0]),
+                                 tf.shape(g, out_type=tf.int64))
+        shape = g.dense_shape if shape is None else shape
+        values.append(g.values if c == 1.0 else tf.cast(c, g.values.dtype) * g.values)
+        indices.append(tf.cast(g.indices, tf.int64))
+    return tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0), shape)
 
 
 def variable_devices(layers: Sequence) -> set[str]:

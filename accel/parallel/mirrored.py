@@ -91,9 +91,13 @@ class Mirrored:
     is ``m.model.fit(...)``, and the trained weights are in ``m.model`` when it returns.
     ``jit_compile=True`` is refused: XLA may override the per-replica placement.
 
-    BatchNormalization: by default each replica normalises its own shard (and the moving
-    statistics are kept in sync by Keras); ``BatchNormalization(synchronized=True)`` normalises
-    over the whole global batch, which is what one device training on that batch does.
+    BatchNormalization: by default each replica normalises its own shard and updates its own
+    copy of the moving statistics from it. Nothing keeps those copies in sync: under the
+    strategy they are ``ON_WRITE`` variables with aggregation ``NONE``, so they diverge from
+    the first step; ``predict`` under the strategy uses each replica's own, and
+    ``get_weights`` / ``save`` give replica 0's (tested). ``BatchNormalization(
+    synchronized=True)`` normalises over the whole global batch, which is what one device
+    training on that batch does, and keeps the copies equal.
     """
 
     def __init__(self, build: Callable, devices: Sequence[str],

@@ -41,7 +41,9 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from accel import checks
+from accel.collectives import all_reduce
 from accel.devices import parse_device
+from accel.parallel import keras_model as km
 from accel.parallel.data import average_gradients, split_batch
 from accel.parallel.layers import LayerSpec, describe_layers, run_layers
 from accel.parallel.partition import balance_by_cost, balance_by_count, check_balance, part_ranges
@@ -277,6 +279,20 @@ def build_graph(partition: Partition, loss_fn: Callable, learning_rate: float,
     return SplitGraph(graph, x, y, h, loss, train_op, init_op, per_part)
 
 
+def _mean_over_replicas(grads: list, devices: list[str]) -> list:
+    """The replicas' gradients of one variable averaged, one result on each replica's device:
+    an all-reduce (mean) for dense gradients; for an embedding's ``IndexedSlices``, every
+    replica's rows gathered onto each device, scaled by 1 / replicas (kept sparse, as
+    ``model.fit`` on the whole batch gives Keras's optimizer)."""
+    if not any(km.is_sparse(g) for g in grads):
+        return all_reduce(grads, devices, op="mean")
+    out = []
+    for device in devices:
+        with tf.device(device):
+            out.append(km.merge_gradients(grads, [1.0 / len(grads)] * len(grads)))
+    return out
+
+
 class ModelParallel:
     """A Keras ``Sequential`` split over devices (model parallelism), optionally replicated
     (hybrid: data x model parallelism).
@@ -304,8 +320,6 @@ class ModelParallel:
 
     def __init__(self, model, devices: Sequence[str] | None = None, *, loss, optimizer,
                  balance="count", replicas: Sequence[Sequence[str]] | None = None):
-        from accel.parallel import keras_model as km
-
         if (devices is None) == (replicas is None):
             raise ValueError("give devices (one per part) or replicas (one device list per "
                              "replica), not both")
@@ -345,31 +359,46 @@ class ModelParallel:
         return [w for copies in parts for c in copies for w in c.trainable_weights]
 
     def _make_compute(self):
-        from accel.collectives import all_reduce
-
         num_parts, reps = len(self.balance), self.replicas
         loss_fn = self.loss_fn
 
         def one_replica(r, x, y):
-            saved, h, loss = [], x, None
+            # each part adds the terms its layers put in model.losses (regularizers,
+            # add_loss) to the loss: they are differentiated with the part's own backward
+            saved, h, total = [], x, []
             for p in range(num_parts):
                 with tf.device(reps[r][p]), tf.GradientTape() as tape:
-                    tape.watch(h)
-                    out = h
-                    for layer in self.copies[r][p]:
-                        out = layer(out, training=True)
+                    if p > 0:
+                        tape.watch(h)
+                    out, terms = km.call_layers(self.copies[r][p], h)
                     if p == num_parts - 1:
-                        loss = tf.reduce_mean(loss_fn(y, out))
-                saved.append((tape, h, out))
+                        out = km.training_loss(loss_fn, y, out, terms)
+                        extra = None
+                    else:
+                        extra = km.added_loss(terms)
+                saved.append((tape, h, out, extra))
+                total += [out] if p == num_parts - 1 else [] if extra is None else [extra]
                 h = out
             grads, upstream = [None] * num_parts, None
+            # a LossScaleOptimizer's scale seeds the backward, as fit scales the loss
+            scale = km.loss_scale(self.optimizers[r], saved[-1][2].dtype)
             for p in reversed(range(num_parts)):  # each part's backward on its own device
-                tape, inp, out = saved[p]
+                tape, inp, out, extra = saved[p]
+                sources = self.variables(r, p) if p == 0 else [inp, *self.variables(r, p)]
                 with tf.device(reps[r][p]):
-                    target, seed = (loss, None) if upstream is None else (out, upstream)
-                    g = tape.gradient(target, [inp, *self.variables(r, p)],
-                                      output_gradients=seed)
-                upstream, grads[p] = g[0], g[1:]
+                    one = tf.ones_like(out if extra is None else extra)
+                    if scale is not None:
+                        one = one * tf.cast(scale, one.dtype)
+                    if upstream is None:  # the last part: out is the loss
+                        g = tape.gradient(out, sources, output_gradients=one)
+                    else:
+                        targets = [out] + ([] if extra is None else [extra])
+                        seeds = [upstream] + ([] if extra is None else [one])
+                        g = tape.gradient(targets, sources, output_gradients=seeds)
+                if p > 0:
+                    upstream, g = g[0], g[1:]
+                grads[p] = g
+            loss = tf.add_n(total) if len(total) > 1 else total[0]
             return loss, grads
 
         def compute(x, y):
@@ -381,8 +410,8 @@ class ModelParallel:
                 for p in range(num_parts):
                     part_devices = [reps[r][p] for r in range(len(reps))]
                     for k in range(len(grads[0][p])):
-                        reduced = all_reduce([grads[r][p][k] for r in range(len(reps))],
-                                             part_devices, op="mean")
+                        reduced = _mean_over_replicas([grads[r][p][k] for r in range(len(reps))],
+                                                      part_devices)
                         for r in range(len(reps)):
                             grads[r][p] = [*grads[r][p][:k], reduced[r], *grads[r][p][k + 1:]]
             loss = tf.add_n(losses) / float(len(losses))
@@ -413,10 +442,8 @@ class ModelParallel:
 
     def write_back(self) -> None:
         """Replica 0's weights (trainable and not) into the user's model."""
-        from accel.parallel.keras_model import write_back
-
         for part, copies in zip(self.parts, self.copies[0], strict=True):
-            write_back(part, copies)
+            km.write_back(part, copies)
 
     def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
             verbose: int = 1, callbacks=None):
@@ -424,8 +451,6 @@ class ModelParallel:
         (``accel.parallel.keras_model.fit_loop``; with replicas, ``batch_size`` a multiple of
         their number); ``write_back()`` at each epoch's end; returns a
         ``keras.callbacks.History``."""
-        from accel.parallel.keras_model import fit_loop
-
-        return fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
+        return km.fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
                         divisor=len(self.replicas), callbacks=callbacks, model=self.model,
                         sync=self.write_back)

@@ -14,7 +14,7 @@ a Keras optimizer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -22,23 +22,25 @@ import tensorflow as tf
 from accel import checks
 from accel.collectives import check_devices
 from accel.devices import parse_device
-from accel.models import mlp_apply
 from accel.parallel.zero import KerasReplicas, adam_apply
 
 __all__ = ["OffloadStep", "Offload"]
 
 
 class OffloadStep:
-    """Data parallelism of ``mlp_apply`` over ``devices`` with Adam offloaded to ``host``.
-    ``step(xs, ys)`` takes one batch part per accelerator and returns their losses (the loss is
-    the mean of ``loss_fn`` over the whole batch)."""
+    """Data parallelism of ``model_fn(params, x)`` (predictions) over ``devices`` with Adam
+    offloaded to ``host``. ``step(xs, ys)`` takes one batch part per accelerator and returns
+    their losses (the loss is the mean of ``loss_fn`` over the whole batch)."""
 
     def __init__(self, params: Sequence, devices: Sequence[str], host: str, loss_fn,
                  learning_rate: float = 1e-3, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, dtype=tf.float32):
+                 epsilon: float = 1e-7, dtype=tf.float32, *, model_fn: Callable):
+        if not callable(model_fn):
+            raise ValueError(f"model_fn must be a function model_fn(params, x), got "
+                             f"{model_fn!r}")
         self.devices = check_devices(devices)
         check_devices([*self.devices, host])  # the host must not be one of the accelerators
-        self.host, self.loss_fn = host, loss_fn
+        self.host, self.loss_fn, self.model_fn = host, loss_fn, model_fn
         self.hyper = (checks.positive_number("learning_rate", learning_rate), beta_1, beta_2,
                       epsilon)
         dtype = tf.as_dtype(dtype)
@@ -66,7 +68,8 @@ class OffloadStep:
         grads, losses = [], []
         for i, d in enumerate(self.devices):
             with tf.device(d), tf.GradientTape() as tape:
-                loss = tf.reduce_sum(self.loss_fn(ys[i], mlp_apply(self.weights_on[i], xs[i])))
+                pred = self.model_fn(self.weights_on[i], xs[i])
+                loss = tf.reduce_sum(self.loss_fn(ys[i], pred))
                 loss = loss / batch
             with tf.device(d):
                 grads.append(tape.gradient(loss, self.weights_on[i]))

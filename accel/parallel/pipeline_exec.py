@@ -21,7 +21,7 @@ devices repeated, stage ``s`` on the device of stage ``s % p`` (``[d0, d1, d0, d
 
 The run returns each device's log ``(task, start, end)`` (from ``clock``), the order in which it
 ran its tasks, and the peak number of stashed micro-batches per stage, counted as it runs.
-``accel.parallel.keras_pipeline`` builds the stages from a Keras ``Sequential``.
+``Pipeline`` builds the stages from a Keras ``Sequential``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,14 @@ import tensorflow as tf
 
 from accel import checks
 from accel.devices import parse_device
-from accel.parallel.pipeline import Task, device_orders, interval_idle_fractions, validate_schedule
+from accel.parallel import keras_model as km
+from accel.parallel.pipeline import (
+    Task,
+    device_orders,
+    interval_idle_fractions,
+    make_schedule,
+    validate_schedule,
+)
 from accel.training import make_update
 
 __all__ = ["Stage", "PipelineRun", "split_microbatches", "layer_stages", "stage_devices",
@@ -44,11 +51,15 @@ __all__ = ["Stage", "PipelineRun", "split_microbatches", "layer_stages", "stage_
 
 @dataclass
 class Stage:
-    """One pipeline stage: ``fn(params, x) -> y`` with ``params`` (variables) on ``device``."""
+    """One pipeline stage: ``fn(params, x) -> y`` with ``params`` (variables) on ``device``.
+    ``adds_losses``: ``fn`` returns ``(y, terms)`` instead, ``terms`` the loss terms its layers
+    added during the call (``model.losses``: regularizers, ``add_loss``), which the stage adds
+    to the training loss with the micro-batch's share."""
 
     fn: Callable
     params: list
     device: str
+    adds_losses: bool = False
 
 
 @dataclass
@@ -112,14 +123,16 @@ def layer_stages(layers: Sequence, balance: Sequence[int], devices: Sequence[str
 class _Run:
     """Shared state of one run: finished-task events, activations, stashes, logs."""
 
-    def __init__(self, stages, micro, loss_fn, recompute, clock):
+    def __init__(self, stages, micro, loss_fn, recompute, clock, loss_scale=None):
         self.stages, self.micro, self.loss_fn = stages, micro, loss_fn
+        self.loss_scale = loss_scale
         self.recompute, self.clock = recompute, clock
         self.done: dict[Task, threading.Event] = {}
         self.outputs: dict[tuple[int, int], tf.Tensor] = {}   # (stage, mb) -> forward output
         self.input_grads: dict[tuple[int, int], tf.Tensor] = {}  # (stage, mb) -> d loss / d x
         self.stash: dict[tuple[int, int], tuple] = {}
         self.losses: dict[int, tf.Tensor] = {}
+        self.added: dict[tuple[int, int], tf.Tensor] = {}  # (stage, mb) -> its added terms
         self.lock = threading.Lock()
         self.error: BaseException | None = None
         p = len(stages)
@@ -145,13 +158,16 @@ class _Run:
         with tf.device(stage.device):
             x = tf.identity(x)
             if self.recompute:  # keep nothing but x: no tape records this forward
-                out = self._stage_out(s, i, x)
+                out, extra = self._stage_out(s, i, x)
                 self.stash[(s, i)] = (x,)
             else:
                 with tf.GradientTape() as tape:
-                    tape.watch(x)
-                    out = self._stage_out(s, i, x)
-                self.stash[(s, i)] = (x, tape, out)
+                    if s > 0:  # stage 0 needs no gradient of its input (maybe token ids)
+                        tape.watch(x)
+                    out, extra = self._stage_out(s, i, x)
+                self.stash[(s, i)] = (x, tape, out, extra)
+        if extra is not None:
+            self.added[(s, i)] = extra
         if last:
             self.losses[i] = out
         else:
@@ -161,13 +177,22 @@ class _Run:
             self.peak[s] = max(self.peak[s], self.held[s])
 
     def _stage_out(self, s: int, i: int, x):
-        """The stage's output; on the last stage, the micro-batch's loss weighted by its share."""
+        """``(output, added)``: the stage's output (on the last stage, the micro-batch's loss
+        weighted by its share) and the terms its layers added to the loss, weighted by the same
+        share (``None`` if none)."""
         stage = self.stages[s]
-        out = stage.fn(stage.params, x)
+        share = x.shape[0] / sum(int(m[0].shape[0]) for m in self.micro)
+        out, extra = stage.fn(stage.params, x), None
+        if stage.adds_losses:
+            out, terms = out
+            extra = km.added_loss(terms)
+            extra = None if extra is None else extra * tf.cast(share, extra.dtype)
         if s == len(self.stages) - 1:
-            share = x.shape[0] / sum(int(m[0].shape[0]) for m in self.micro)
-            out = tf.reduce_mean(self.loss_fn(self.micro[i][1], out)) * share
-        return out
+            out = tf.reduce_mean(self.loss_fn(self.micro[i][1], out))
+            out = out * tf.cast(share, out.dtype)
+            if extra is not None:
+                out, extra = out + tf.cast(extra, out.dtype), None
+        return out, extra
 
     def backward(self, s: int, i: int) -> None:
         stage, last = self.stages[s], s == len(self.stages) - 1
@@ -176,17 +201,28 @@ class _Run:
             if self.recompute:  # run the forward again, now under a tape
                 x = saved[0]
                 with tf.GradientTape() as tape:
-                    tape.watch(x)
-                    out = self._stage_out(s, i, x)
+                    if s > 0:
+                        tape.watch(x)
+                    out, extra = self._stage_out(s, i, x)
             else:
-                x, tape, out = saved
+                x, tape, out, extra = saved
             upstream = None if last else self.input_grads.pop((s + 1, i))
             sources = [*stage.params] if s == 0 else [x, *stage.params]  # stage 0: no dx needed
-            grads = tape.gradient(out, sources, output_gradients=upstream)
+            seed = None  # the loss's own gradient: 1, or the loss scale (fit scales the loss)
+            if self.loss_scale is not None and (last or extra is not None):
+                seed = tf.cast(self.loss_scale, (out if last else extra).dtype)
+            if last:
+                upstream = seed
+            if extra is None:
+                grads = tape.gradient(out, sources, output_gradients=upstream)
+            else:  # the stage's own loss terms join the gradient coming from later stages
+                one = tf.ones_like(extra) if seed is None else seed
+                grads = tape.gradient([out, extra], sources, output_gradients=[upstream, one])
         if s > 0:
             self.input_grads[(s, i)], grads = grads[0], grads[1:]
         acc = self.grads[s]
-        self.grads[s] = list(grads) if acc is None else [a + g for a, g in
+        # an embedding's IndexedSlices accumulate as slices (every micro-batch's rows)
+        self.grads[s] = list(grads) if acc is None else [km.merge_gradients([a, g]) for a, g in
                                                          zip(acc, grads, strict=True)]
         with self.lock:
             self.held[s] -= 1
@@ -225,16 +261,20 @@ def stage_devices(stages: Sequence[Stage]) -> list[str]:
 
 def run_schedule(stages: Sequence[Stage], schedule, x, y, loss_fn: Callable,
                  num_microbatches: int, recompute: bool = False,
-                 clock: Callable[[], float] = time.perf_counter) -> PipelineRun:
+                 clock: Callable[[], float] = time.perf_counter,
+                 loss_scale=None) -> PipelineRun:
     """Run one forward and backward pass of the batch ``(x, y)`` through ``stages`` in the
     order of ``schedule``; return the loss, the accumulated gradients and the logs (see the
-    module docstring). ``loss_fn(y_true, y_pred)`` returns per-example losses."""
+    module docstring). ``loss_fn(y_true, y_pred)`` returns per-example losses. ``loss_scale``:
+    a factor the gradients are multiplied by (a ``LossScaleOptimizer``'s scale,
+    ``keras_model.loss_scale``); the loss returned is not scaled."""
     stages = list(stages)
     if not stages:
         raise ValueError("stages is empty: give one Stage per device")
     num_devices = len(stage_devices(stages))
     validate_schedule(schedule, len(stages), num_microbatches, num_devices)
-    run = _Run(stages, split_microbatches(x, y, num_microbatches), loss_fn, recompute, clock)
+    run = _Run(stages, split_microbatches(x, y, num_microbatches), loss_fn, recompute, clock,
+               loss_scale)
     orders = device_orders(schedule, num_devices)
     run.done = {task: threading.Event() for order in orders for task in order}
     threads = [threading.Thread(target=run.device_loop, args=(d, order), daemon=True,
@@ -245,7 +285,9 @@ def run_schedule(stages: Sequence[Stage], schedule, x, y, loss_fn: Callable,
         t.join()
     if run.error is not None:
         raise run.error
-    loss = float(tf.add_n([run.losses[i] for i in sorted(run.losses)]))
+    parts = [run.losses[i] for i in sorted(run.losses)]
+    parts += [tf.cast(run.added[k], parts[0].dtype) for k in sorted(run.added)]
+    loss = float(tf.add_n(parts))
     return PipelineRun(loss, run.grads, run.log, run.peak)
 
 
@@ -266,7 +308,9 @@ def make_pipeline_step(stages: Sequence[Stage], loss_fn: Callable, optimizer, sc
         updates = [make_update(optimizer, st.params, st.device) for st in stages]
 
     def step(x, y) -> PipelineRun:
-        result = run_schedule(stages, schedule, x, y, loss_fn, num_microbatches, recompute)
+        scale = km.loss_scale(optimizer) if one_optimizer else None
+        result = run_schedule(stages, schedule, x, y, loss_fn, num_microbatches, recompute,
+                              loss_scale=scale)
         if one_optimizer:
             grads = [g for stage_grads in result.grads for g in stage_grads]
             updates[0](list(zip(grads, variables, strict=True)))
@@ -318,9 +362,6 @@ class Pipeline:
     def __init__(self, model, devices: Sequence[str], *, loss, optimizer,
                  num_microbatches: int, schedule: str = "1f1b", num_chunks: int = 1,
                  balance="count", recompute: bool = False):
-        from accel.parallel import keras_model as km
-        from accel.parallel.pipeline import make_schedule
-
         self.model = model
         self.layers = km.sequential_layers(model)
         self.devices = [parse_device(d).to_string() for d in devices]
@@ -345,7 +386,8 @@ class Pipeline:
         self.parts, self.copies = km.copy_parts(self.layers, self.balance, stage_devices_,
                                                 km.input_shape_of(model))
         self.stages = [Stage(_keras_stage_fn(copies),
-                             [w for c in copies for w in c.trainable_weights], device)
+                             [w for c in copies for w in c.trainable_weights], device,
+                             adds_losses=True)
                        for copies, device in zip(self.copies, stage_devices_, strict=True)]
         self._step = make_pipeline_step(self.stages, self.loss_fn, self.optimizer, self.schedule,
                                         self.num_microbatches, recompute)
@@ -356,10 +398,8 @@ class Pipeline:
 
     def write_back(self) -> None:
         """The stages' weights (trainable and not) into the user's model."""
-        from accel.parallel.keras_model import write_back
-
         for part, copies in zip(self.parts, self.copies, strict=True):
-            write_back(part, copies)
+            km.write_back(part, copies)
 
     def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
             verbose: int = 1, callbacks=None):
@@ -368,16 +408,12 @@ class Pipeline:
         batches; a progress bar per epoch (``verbose=0``: none) and Keras ``callbacks``. Returns
         a ``keras.callbacks.History`` (``history.history["loss"]``: each epoch's mean loss);
         the trained weights are written into the user's model at each epoch's end."""
-        from accel.parallel.keras_model import fit_loop
-
-        return fit_loop(lambda xb, yb: self.train_step(xb, yb).loss, x, y, batch_size,
+        return km.fit_loop(lambda xb, yb: self.train_step(xb, yb).loss, x, y, batch_size,
                         epochs, verbose, divisor=self.num_microbatches, callbacks=callbacks,
                         model=self.model, sync=self.write_back)
 
 
 def _keras_stage_fn(copies: list) -> Callable:
     def fn(params, x):  # params are the copies' own variables, which the tape watches
-        for layer in copies:
-            x = layer(x, training=True)
-        return x
+        return km.call_layers(copies, x)  # (output, the terms the layers add to the loss)
     return fn

@@ -2,6 +2,9 @@
 gradients (stage 2) and weights (stage 3) are sharded over the devices (Rajbhandari et al. 2019,
 arXiv:1910.02054). Stage 0 is plain data parallelism, the baseline.
 
+The model is a stack of layers, each a function of its ``[weight, bias]`` and its input
+(``layer_fns``), so that stage 3 can run it one layer at a time.
+
 Layout: each layer's weight and bias are flattened into ONE vector, padded with zeros to a
 multiple of ``n`` (the number of devices); device ``i`` owns slice ``i`` of every such vector.
 What a device keeps between steps are ``tf.Variable`` objects on that device, so the memory it
@@ -28,7 +31,7 @@ its own); ``keras_optimizer_factory`` says which optimizers it takes and why.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import keras
 import numpy as np
@@ -44,7 +47,7 @@ from accel.collectives import (
     reduce_scatter,
 )
 from accel.devices import parse_device
-from accel.models import mlp_apply
+from accel.parallel import keras_model as km
 
 __all__ = ["STAGES", "ZeroStep", "flatten_layers", "unflatten_layer", "adam_apply",
            "SHARDABLE_OPTIMIZERS", "keras_optimizer_factory", "KerasReplicas", "Zero"]
@@ -84,13 +87,16 @@ def adam_apply(w, g, m: tf.Variable, v: tf.Variable, t, learning_rate: float,
 
 
 class ZeroStep:
-    """A ZeRO ``stage`` training step of ``mlp_apply`` with ``loss_fn`` (per-example) and Adam
-    over ``devices``. ``step(xs, ys)`` takes one batch part per device (placed there) and returns
-    the per-device losses; the loss is the mean over the whole batch."""
+    """A ZeRO ``stage`` training step, with ``loss_fn`` (per-example) and Adam over ``devices``,
+    of the model whose layers are ``layer_fns``: layer ``k`` is ``layer_fns[k]([w_k, b_k], h)``
+    with ``params = [w0, b0, w1, b1, ...]`` (``accel.parallel.layers.dense`` / ``linear``, say);
+    the layers run one after the other (stage 3 gathers each layer's weights just before it
+    runs). ``step(xs, ys)`` takes one batch part per device (placed there) and returns the
+    per-device losses; the loss is the mean over the whole batch."""
 
     def __init__(self, params: Sequence, devices: Sequence[str], stage: int, loss_fn,
                  learning_rate: float = 1e-3, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, dtype=tf.float32):
+                 epsilon: float = 1e-7, dtype=tf.float32, *, layer_fns: Sequence[Callable]):
         if stage not in STAGES or isinstance(stage, bool):
             raise ValueError(f"stage must be one of {list(STAGES)} (0 = plain data "
                              f"parallelism), got {stage!r}")
@@ -101,6 +107,10 @@ class ZeroStep:
         self.beta_1, self.beta_2 = beta_1, beta_2
         self.epsilon, self.dtype = epsilon, tf.as_dtype(dtype)
         flats = flatten_layers(params, n)
+        self.layer_fns = [] if callable(layer_fns) else list(layer_fns)
+        if len(self.layer_fns) != len(flats) or not all(map(callable, self.layer_fns)):
+            raise ValueError(f"layer_fns must be one function per layer (weight, bias pair), "
+                             f"{len(flats)} here, got {layer_fns!r}")
         self.shapes = [(np.shape(w), np.shape(b)) for w, b in zip(params[::2], params[1::2],
                                                                    strict=True)]
         self.params = sum(int(np.size(p)) for p in params)
@@ -156,7 +166,7 @@ class ZeroStep:
         return on_device(lambda p, t: tf.reduce_sum(self.loss_fn(t, p)) / batch,
                          self.devices[i], pred, y)
 
-    def _gathered_layer(self, layer: int, hs: list, slices: list, last: bool) -> list:
+    def _gathered_layer(self, layer: int, hs: list, slices: list) -> list:
         """One layer of stage 3: its weights gathered from the slices (variables) just before
         use, forward and (again) backward; the weight gradient reduce-scattered back to the
         slices. The backward pass reads the slices anew: a graph sends a tensor to a device
@@ -166,9 +176,7 @@ class ZeroStep:
         devs, (ws, bs) = self.devices, self.shapes[layer]
 
         def run(h, flat):
-            w, b = unflatten_layer(flat, ws, bs)
-            y = tf.matmul(h, w) + b
-            return y if last else tf.nn.relu(y)
+            return self.layer_fns[layer](unflatten_layer(flat, ws, bs), h)
 
         def forward(xs):
             full = all_gather(xs[self.n:], devs)
@@ -200,8 +208,7 @@ class ZeroStep:
             with tf.GradientTape() as tape:
                 hs = list(xs)
                 for layer in range(len(self.shapes)):
-                    hs = self._gathered_layer(layer, hs, [w[i][layer] for i in range(self.n)],
-                                              layer == len(self.shapes) - 1)
+                    hs = self._gathered_layer(layer, hs, [w[i][layer] for i in range(self.n)])
                 losses = [self._local_loss(i, hs[i], ys[i], batch) for i in range(self.n)]
             sources = [v for vs in w for v in vs]
             ones = []
@@ -215,9 +222,11 @@ class ZeroStep:
         for i, d in enumerate(self.devices):
             with tf.device(d):
                 with tf.GradientTape() as tape:
-                    params = [a for layer, (ws, bs) in enumerate(self.shapes)
-                              for a in unflatten_layer(w[i][layer], ws, bs)]
-                    loss = tf.reduce_sum(self.loss_fn(ys[i], mlp_apply(params, xs[i]))) / batch
+                    h = xs[i]
+                    for layer, (fn, (ws, bs)) in enumerate(zip(self.layer_fns, self.shapes,
+                                                               strict=True)):
+                        h = fn(unflatten_layer(w[i][layer], ws, bs), h)
+                    loss = tf.reduce_sum(self.loss_fn(ys[i], h)) / batch
                 grads.append(tape.gradient(loss, w[i]))
                 losses.append(loss)
         return grads, losses
@@ -304,6 +313,12 @@ def keras_optimizer_factory(optimizer, exclude_from_weight_decay: Sequence[str] 
 
     opt = fresh_optimizer(optimizer)
     cls = type(opt)
+    if isinstance(opt, keras.optimizers.LossScaleOptimizer):
+        raise ValueError("LossScaleOptimizer is not supported by the sharded forms (Zero, "
+                         "Offload, Accumulating): each device would judge the scaled gradients "
+                         "finite from its own slice. Train float16 with the towers, split, "
+                         "hybrid or pipeline forms, or use the 'mixed_bfloat16' policy, which "
+                         "needs no loss scaling")
     if cls.__name__ not in SHARDABLE_OPTIMIZERS or cls is not getattr(keras.optimizers,
                                                                       cls.__name__):
         raise ValueError(f"optimizer {cls.__name__} is not supported by the sharded forms: the "
@@ -491,8 +506,20 @@ class KerasReplicas:
 
     # -- the model, layer after layer ----------------------------------------------------------
     def _run_unit(self, u: int, h, values, states):
+        """``(output, new states, added losses)`` of unit ``u`` on ``h`` with its weights and
+        states taken from ``values`` and ``states``. What ``layer.stateless_call`` does, but
+        through ``layer.__call__``: Keras casts the inputs and (``dtype_policy`` mixed) the
+        weights to the compute dtype only there, so a mixed-precision model computes in
+        float16 / bfloat16 as under ``fit`` (``stateless_call`` runs ``call`` in float32)."""
+        unit = self.units[u]
         kwargs = {"training": True} if self._training[u] else {}
-        return self.units[u].stateless_call(values, states, h, return_losses=True, **kwargs)
+        mapping = list(zip(unit.trainable_variables, values, strict=True)) + list(
+            zip(unit.non_trainable_variables, states, strict=True))
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            out = unit(h, **kwargs)
+            losses = list(unit.losses)
+        new = [scope.get_current_value(v) for v in unit.non_trainable_variables]
+        return out, new, losses
 
     def _forward(self, x, values, states):
         """``(prediction, new states, added losses)`` of the model on ``x`` with the full
@@ -574,7 +601,9 @@ class Zero(KerasReplicas):
     slices; stages 1-2 all-gather the new slices into the full copies. ``write_back()`` (and the
     end of ``fit``) puts the full weights and ``devices[0]``'s BatchNorm statistics into the
     user's model (``KerasReplicas``). Stage 3 gathers layer by layer for a ``Sequential`` (the
-    whole model at once for other models) and refuses layers that add losses.
+    whole model at once for other models); the terms a layer adds to the loss (regularizers of
+    its gathered weights, ``add_loss``) are outputs of that layer's gathered op, so their
+    gradients reach the slices as the layer's do.
     """
 
     def __init__(self, model, devices: Sequence[str], *, loss, optimizer, stage: int = 1,
@@ -675,11 +704,13 @@ class Zero(KerasReplicas):
         devs = self.devices
         states = [[s.read_value() for s in sv] for sv in self._state_vars]
         with tf.GradientTape() as tape:
-            hs = list(xs)
+            hs, added = list(xs), [[] for _ in devs]
             for u in range(len(self.units)):
-                hs = self._gathered_unit(u, hs, states)
-            losses = [on_device(lambda p, t: self._loss(t, p, [], scale), d, h, y)
-                      for d, h, y in zip(devs, hs, ys, strict=True)]
+                hs, extra = self._gathered_unit(u, hs, states)
+                for i, e in enumerate(extra):
+                    added[i].append(e)
+            losses = [on_device(lambda p, t, *e: self._loss(t, p, e, scale), d, h, y, *a)
+                      for d, h, y, a in zip(devs, hs, ys, added, strict=True)]
         sources = [v for vs in self._slices for v in vs]
         ones = []
         for loss, d in zip(losses, devs, strict=True):
@@ -696,11 +727,12 @@ class Zero(KerasReplicas):
                     v.assign(s)
         return losses
 
-    def _gathered_unit(self, u: int, hs: list, states: list) -> list:
-        """One layer (unit) of stage 3 on every device, recorded as one op: forward, its
-        weights all-gathered from the slices and the layer run with them; backward, gathered
-        again (the forward copy was not kept), the layer re-run under a tape and the weight
-        gradients reduce-scattered to the slices. ``states[i]`` gets the new states."""
+    def _gathered_unit(self, u: int, hs: list, states: list) -> tuple[list, list]:
+        """``(outputs, added)`` per device: one layer (unit) of stage 3 on every device,
+        recorded as one op: forward, its weights all-gathered from the slices and the layer run
+        with them; backward, gathered again (the forward copy was not kept), the layer re-run
+        under a tape and the weight gradients reduce-scattered to the slices. ``added[i]``:
+        the terms the layer added to device ``i``'s loss; ``states[i]`` gets the new states."""
         devs, n = self.devices, self.n
         idx, nidx, m = self._tidx[u], self._nidx[u], len(self._tidx[u])
         used = [[states[i][j] for j in nidx] for i in range(n)]
@@ -714,22 +746,23 @@ class Zero(KerasReplicas):
             return [[per_var[a][i] for a in range(m)] for i in range(n)]
 
         def run(i, h, full):
+            # the layer's added loss terms (regularizers of the gathered weights, add_loss)
+            # are one more output per device, so their gradient reaches the slices too
             y, new, extra = self._run_unit(u, h, [self._unflat(f, j) for f, j in
                                                   zip(full, idx, strict=True)], used[i])
-            if extra:
-                raise ValueError(f"layer {self.units[u].name} adds losses (a regularizer or "
-                                 "add_loss): stage 3 does not support that; use stage 1 or 2")
-            return y, new
+            added = km.added_loss(extra)
+            return y, new, tf.zeros((), keras.config.floatx()) if added is None else added
 
         def forward(ts):
-            full, out = gather(ts[n:]), []
+            full, out, extras = gather(ts[n:]), [], []
             for i, d in enumerate(devs):
                 with tf.device(d):
-                    y, new = run(i, ts[i], full[i])
+                    y, new, extra = run(i, ts[i], full[i])
                 for j, s in zip(nidx, new, strict=True):
                     states[i][j] = s
                 out.append(y)
-            return out
+                extras.append(extra)
+            return out + extras
 
         def backward(dys):
             full, dhs, dws = gather(reads()), [], []
@@ -737,13 +770,15 @@ class Zero(KerasReplicas):
                 with tf.device(d):
                     with tf.GradientTape() as tape:
                         tape.watch([hs[i], *full[i]])
-                        y, _ = run(i, hs[i], full[i])
-                    g = tape.gradient(y, [hs[i], *full[i]], output_gradients=dys[i],
+                        y, _, extra = run(i, hs[i], full[i])
+                    g = tape.gradient([y, extra], [hs[i], *full[i]],
+                                      output_gradients=[dys[i], dys[n + i]],
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 dhs.append(g[0])
                 dws.append(g[1:])
             parts = [reduce_scatter([dws[i][a] for i in range(n)], devs) for a in range(m)]
             return dhs + [parts[a][i] for i in range(n) for a in range(m)]
 
-        return collective_op(f"ZeroStage3Layer{u}", list(hs) + reads(), devs, forward,
-                             backward)
+        outputs = collective_op(f"ZeroStage3Layer{u}", list(hs) + reads(), devs + devs,
+                                forward, backward)
+        return outputs[:n], outputs[n:]

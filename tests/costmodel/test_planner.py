@@ -40,11 +40,13 @@ def test_layer_parameters_equal_chapter_09_shards(t):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_states_equal_chapter_12_zero_counted_bytes(four_devices, stage):
     from accel.models import mlp_init
+    from accel.parallel.layers import dense, linear
     from accel.parallel.zero import ZeroStep
     from accel.training import squared_error
 
     params = mlp_init([8, 16, 4])  # 144 and 68 parameters per layer: split 4 ways, no padding
-    held = ZeroStep(params, four_devices, stage, squared_error).held_bytes()
+    held = ZeroStep(params, four_devices, stage, squared_error,
+                    layer_fns=[dense, linear]).held_bytes()
     w, g, o = pl.state_bytes(144 + 68, "fp32", zero=stage, data=4)
     for row in held.values():
         assert (row["weights"], row["grads"], row["optimizer"]) == (w, g, o)

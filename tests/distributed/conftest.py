@@ -26,4 +26,4 @@ def problem():
     x, y, _ = datasets.regression(256, 8, 1, seed=0)
     init = models.mlp_init([8, 16, 1], seed=0)
     batches = R.global_batches(x, y, 32, STEPS)
-    return init, batches, R.reference_sgd(init, batches, LR)
+    return init, batches, R.reference_sgd(models.mlp_apply, init, batches, LR)

@@ -116,6 +116,54 @@ def test_keras_forms_on_two_worker_tasks_equal_keras_on_one_device(cluster):
     assert results[0].device_orders != results[1].device_orders  # 1F1B is not GPipe
 
 
+@keras.saving.register_keras_serializable("accel_tests_remote")
+class PlainResidual(keras.layers.Layer):
+    """``x + tanh(x @ w + b)`` whose inner layer takes the global dtype policy (no ``dtype``
+    given): float32 in a client that does not take the caller's, and ``x +`` fails there."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.inner = keras.layers.Dense(units, activation="tanh")
+
+    def build(self, input_shape):
+        self.inner.build(input_shape)
+
+    def call(self, x):
+        return x + self.inner(x)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@pytest.mark.slow  # one client process on the shared cluster (seconds)
+def test_the_client_trains_in_the_callers_floatx_and_dtype_policy(cluster):
+    before = keras.config.floatx(), keras.config.dtype_policy().name
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:  # no layer names a dtype: all of them take the caller's float64
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, "tanh", name="l0"),
+                                  PlainResidual(8, name="res"), keras.layers.Dense(3, name="l1")])
+        rng = np.random.default_rng(2)
+        x, y = rng.normal(size=(BATCH * STEPS, 6)), rng.normal(size=(BATCH * STEPS, 3))
+        (res,) = KR.fit_on_cluster(
+            cluster, model, x, y, [{"form": "tensor", "devices": [W0, W1],
+                                    "rules": {"l0": "column", "l1": "row"}}],
+            loss="mse", optimizer=keras.optimizers.Adam(0.01), batch_size=BATCH,
+            imports=[__file__])
+        ref_weights, ref_loss = keras_on_one_device(model, keras.optimizers.Adam(0.01), x, y)
+    finally:
+        keras.config.set_floatx(before[0])
+        keras.config.set_dtype_policy(before[1])
+    assert (keras.config.floatx(), keras.config.dtype_policy().name) == before
+    assert {w.dtype for w in res.weights} == {np.dtype("float64")}
+    np.testing.assert_allclose(res.losses, ref_loss, rtol=1e-10)
+    scale = max(np.abs(w).max() for w in ref_weights)
+    for i, (a, b) in enumerate(zip(res.weights, ref_weights, strict=True)):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10 * scale, err_msg=f"weight {i}")
+
+
 def test_a_device_of_a_task_the_cluster_lacks_is_refused_naming_the_tasks():
     spec = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}
     assert KR.check_cluster_devices([W1, "/cpu:0"], spec) == [

@@ -25,14 +25,15 @@ def test_global_batches_wrap_around_and_reference_is_plain_sgd():
     xb, yb = np.array([[1.0], [2.0]], np.float32), np.array([[1.0], [3.0]], np.float32)
     r = [(0.5 * 1 - 1), (0.5 * 2 - 3)]
     gw, gb = np.mean([2 * r[0] * 1, 2 * r[1] * 2]), np.mean([2 * r[0], 2 * r[1]])
-    close(R.reference_sgd(init, [(xb, yb)], 0.1), [[[0.5 - 0.1 * gw]], [-0.1 * gb]])
+    close(R.reference_sgd(models.mlp_apply, init, [(xb, yb)], 0.1),
+          [[[0.5 - 0.1 * gw]], [-0.1 * gb]])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", [R.in_graph, R.between_graph], ids=["in-graph", "between-graph"])
 def test_sync_equals_one_device_on_the_global_batch(cluster, problem, run):
     init, batches, ref = problem
-    result = run(cluster.cluster, "sync", init, batches, LR)
+    result = run(cluster.cluster, "sync", models.mlp_apply, init, batches, LR)
     assert result.updates == STEPS and result.records == []
     close(result.params, ref)
     assert models.max_difference(result.params, init) > 1e-3  # it did train
@@ -42,7 +43,7 @@ def test_sync_equals_one_device_on_the_global_batch(cluster, problem, run):
 @pytest.mark.parametrize("run", [R.in_graph, R.between_graph], ids=["in-graph", "between-graph"])
 def test_async_applies_every_gradient_once_at_a_recorded_version(cluster, problem, run):
     init, batches, ref = problem
-    result = run(cluster.cluster, "async", init, batches, LR)
+    result = run(cluster.cluster, "async", models.mlp_apply, init, batches, LR)
     assert result.updates == 2 * STEPS
     assert [r.applied_version for r in result.records] == list(range(2 * STEPS))
     # in-graph: each thread feeds its own half of every global batch (step = batch index);
@@ -61,7 +62,8 @@ def test_async_applies_every_gradient_once_at_a_recorded_version(cluster, proble
 @pytest.mark.slow
 def test_every_run_lives_in_its_own_container_which_is_emptied(cluster, problem):
     init, batches, _ = problem
-    R.in_graph(cluster.cluster, "sync", init, batches[:1], LR, container="c-test")
+    R.in_graph(cluster.cluster, "sync", models.mlp_apply, init, batches[:1], LR,
+               container="c-test")
     # after the reset the variables are gone: reading them is an error
     import tensorflow as tf
     with pytest.raises(tf.errors.FailedPreconditionError):
@@ -70,7 +72,13 @@ def test_every_run_lives_in_its_own_container_which_is_emptied(cluster, problem)
 
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="mode must be one of"):
-        R.in_graph({"worker": ["a:1"]}, "hogwild", [], [], 0.1)
+        R.in_graph({"worker": ["a:1"]}, "hogwild", models.mlp_apply, [], [], 0.1)
     with pytest.raises(ValueError, match="a global batch of 5 does not split over 2"):
-        R.between_graph({"ps": ["a:1"], "worker": ["a:2", "a:3"]}, "sync", [np.zeros(1)],
-                        [(np.zeros((5, 1)), np.zeros((5, 1)))], 0.1)
+        R.between_graph({"ps": ["a:1"], "worker": ["a:2", "a:3"]}, "sync", models.mlp_apply,
+                        [np.zeros(1)], [(np.zeros((5, 1)), np.zeros((5, 1)))], 0.1)
+    with pytest.raises(ValueError, match="model_fn must be a function"):
+        R.in_graph({"worker": ["a:1"]}, "sync", None, [], [], 0.1)
+    # the client processes import the model by name: a lambda cannot travel
+    with pytest.raises(ValueError, match="model_fn must be a function defined at the top"):
+        R.between_graph({"ps": ["a:1"], "worker": ["a:2"]}, "sync", lambda p, x: x,
+                        [np.zeros(1)], [(np.zeros((2, 1)), np.zeros((2, 1)))], 0.1)

@@ -65,8 +65,10 @@ def test_both_ensembles_average_the_networks(cluster):
     nets = [models.mlp_init([8, 16, 1], seed=s) for s in (1, 2)]
     rows = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
     ref = np.mean([models.mlp_apply(n, rows).numpy() for n in nets], axis=0)
-    np.testing.assert_allclose(shared.in_graph_ensemble(cluster.cluster, nets, rows), ref,
-                               rtol=1e-5, atol=1e-6 * np.abs(ref).max())
-    avg, error = shared.between_graph_ensemble(cluster.cluster, nets, rows, wait_ms=500)
+    np.testing.assert_allclose(
+        shared.in_graph_ensemble(cluster.cluster, models.mlp_apply, nets, rows), ref,
+        rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    avg, error = shared.between_graph_ensemble(cluster.cluster, models.mlp_apply, nets, rows,
+                                               wait_ms=500)
     np.testing.assert_allclose(avg, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
     assert error == "DeadlineExceededError"

@@ -15,7 +15,7 @@ LR, STEPS = 0.05, 6
 @pytest.mark.slow
 def test_multi_worker_mirrored_equals_one_device_and_both_workers_agree(problem):
     init, batches, ref = problem
-    first, second = T.mirrored_run(init, batches, LR)
+    first, second = T.mirrored_run(models.mlp_apply, init, batches, LR)
     assert models.max_difference(first, second) == 0.0
     for a, r in zip(first, ref, strict=True):
         np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6 * np.max(np.abs(r)))
@@ -25,7 +25,8 @@ def test_multi_worker_mirrored_equals_one_device_and_both_workers_agree(problem)
 def test_a_worker_killed_mid_step_has_its_function_run_again(problem):
     init, batches, _ = problem
     with C.LocalCluster(chief=True, skip=[("chief", 0)], timeout=90) as cluster:
-        result = T.coordinated_run(cluster, init, batches, LR, kill_mid_step=True)
+        result = T.coordinated_run(cluster, models.mlp_apply, init, batches, LR,
+                                   kill_mid_step=True)
         assert not cluster.children[("worker", 1)].alive()
     assert result["killed"] == [("worker", 1)]
     # killed while each worker held a function whose update was on the ps and none had ended
@@ -39,4 +40,4 @@ def test_a_worker_killed_mid_step_has_its_function_run_again(problem):
 def test_the_coordinator_needs_a_chief_slot_left_free():
     c = C.LocalCluster(ps=1, workers=1)
     with pytest.raises(ValueError, match="needs a chief task"):
-        T.coordinated_run(c, [], [], 0.1)
+        T.coordinated_run(c, models.mlp_apply, [], [], 0.1)

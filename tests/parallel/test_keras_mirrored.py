@@ -78,3 +78,29 @@ def test_build_must_compile_in_the_scope(four_devices, keras_zoo):
             twin.compile(optimizer="sgd", loss="mse", jit_compile=True)
             return twin
         mirrored.Mirrored(build, four_devices[:2])
+
+
+def test_per_replica_batchnorm_statistics_diverge(four_devices, keras_zoo):
+    """Per-replica BatchNorm under MirroredStrategy: the moving statistics are ON_WRITE
+    variables with aggregation NONE, each replica updating its own copy from its own shard
+    (nothing keeps them in sync); ``get_weights`` (hence ``save``) returns replica 0's.
+    ``synchronized=True`` keeps them equal."""
+    import tensorflow as tf
+
+    z = keras_zoo
+    model = z.MODELS["cnn"]()
+    x, y = z.data_for(model)
+    for sync in (False, True):
+        m = mirrored.Mirrored(build_from(model, lambda: keras.optimizers.SGD(0.05), sync),
+                              four_devices[:2])
+        m.fit(x, y, batch_size=z.BATCH, shuffle=False, verbose=0)
+        bn = next(lay for lay in m.model.layers if isinstance(lay, keras.layers.BatchNormalization))
+        variable = bn.moving_mean.value
+        assert variable.aggregation == tf.VariableAggregation.NONE
+        copies = [np.asarray(c) for c in m.strategy.experimental_local_results(variable)]
+        assert len(copies) == 2
+        if sync:
+            np.testing.assert_array_equal(copies[0], copies[1])
+        else:
+            assert np.abs(copies[0] - copies[1]).max() > 1e-6  # each replica its own shard
+        np.testing.assert_array_equal(bn.moving_mean.numpy(), copies[0])

@@ -23,7 +23,8 @@ def test_weights_equal_single_device_adam(four_devices):
     x, y = rng.normal(size=(12, 8)), rng.normal(size=(12, 4))
     vs = [tf.Variable(p.astype(np.float64)) for p in params]
     opt = tf.keras.optimizers.Adam(**HYPER)
-    step = OffloadStep(params, accs, host, squared_error, **HYPER, dtype=tf.float64)
+    step = OffloadStep(params, accs, host, squared_error, **HYPER, dtype=tf.float64,
+                       model_fn=mlp_apply)
     xs = collectives.place(list(np.split(x, 3)), accs)
     ys = collectives.place(list(np.split(y, 3)), accs)
     for _ in range(4):
@@ -39,7 +40,7 @@ def test_weights_equal_single_device_adam(four_devices):
 
 def test_bytes_held_and_sent_by_hand(four_devices):
     host, accs = four_devices[0], four_devices[1:]
-    step = OffloadStep(mlp_init(SIZES), accs, host, squared_error)
+    step = OffloadStep(mlp_init(SIZES), accs, host, squared_error, model_fn=mlp_apply)
     held = step.held_bytes()
     # accelerators: 160 float32 weights = 640 bytes; host: master 640 + m, v 1280
     assert held == {accs[0]: 640, accs[1]: 640, accs[2]: 640, host: 1920}
@@ -52,7 +53,11 @@ def test_bytes_held_and_sent_by_hand(four_devices):
 
 def test_bad_input(four_devices):
     with pytest.raises(ValueError, match="more than once"):
-        OffloadStep(mlp_init(SIZES), four_devices[:2], four_devices[0], squared_error)
+        OffloadStep(mlp_init(SIZES), four_devices[:2], four_devices[0], squared_error,
+                    model_fn=mlp_apply)
     with pytest.raises(ValueError, match="learning_rate must be a number > 0"):
         OffloadStep(mlp_init(SIZES), four_devices[1:], four_devices[0], squared_error,
-                    learning_rate=-1.0)
+                    learning_rate=-1.0, model_fn=mlp_apply)
+    with pytest.raises(ValueError, match="model_fn must be a function"):
+        OffloadStep(mlp_init(SIZES), four_devices[1:], four_devices[0], squared_error,
+                    model_fn=None)

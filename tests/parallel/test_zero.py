@@ -8,6 +8,7 @@ import tensorflow as tf
 from accel import collectives
 from accel.costmodel import zero as cm
 from accel.models import mlp_apply, mlp_init
+from accel.parallel.layers import dense, linear
 from accel.parallel.zero import ZeroStep, flatten_layers
 from accel.training import squared_error
 
@@ -16,6 +17,11 @@ from accel.training import squared_error
 # exact in float32 make the float64 reference exact
 HYPER = {"learning_rate": 2**-7, "beta_1": 0.875, "beta_2": 1 - 2**-10}
 SIZES = [8, 12, 4]
+
+
+def fns(params):
+    """``mlp_apply``'s layers: ReLU, then linear last."""
+    return [dense] * (len(params) // 2 - 1) + [linear]
 
 
 def _data(batch=16, seed=1):
@@ -43,7 +49,8 @@ def test_weights_after_steps_equal_single_device_adam(four_devices, stage, n):
     params = mlp_init(SIZES, seed=3)
     x, y = _data()
     ref, ref_losses = _reference(params, x, y, steps=4)
-    step = ZeroStep(params, devs, stage, squared_error, **HYPER, dtype=tf.float64)
+    step = ZeroStep(params, devs, stage, squared_error, **HYPER, dtype=tf.float64,
+                    layer_fns=fns(params))
     xs = collectives.place(list(np.split(x, n)), devs)
     ys = collectives.place(list(np.split(y, n)), devs)
     losses = [float(sum(v.numpy() for v in step.step(xs, ys))) for _ in range(4)]
@@ -56,7 +63,7 @@ def test_weights_after_steps_equal_single_device_adam(four_devices, stage, n):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_held_bytes_equal_the_formula(four_devices, stage):
     params = mlp_init(SIZES)
-    step = ZeroStep(params, four_devices, stage, squared_error)
+    step = ZeroStep(params, four_devices, stage, squared_error, layer_fns=fns(params))
     psi = 108 + 52
     assert step.params == step.padded_params == psi
     want = cm.zero_bytes_per_device(psi, 4, stage, "fp32")
@@ -70,7 +77,7 @@ def test_held_bytes_equal_the_formula(four_devices, stage):
 def test_padding_is_counted(four_devices):
     flat = flatten_layers(mlp_init([2, 2]), 4)  # 2 x 2 + 2 = 6 parameters, padded to 8
     assert [len(f) for f in flat] == [8]
-    step = ZeroStep(mlp_init([2, 2]), four_devices, 3, squared_error)
+    step = ZeroStep(mlp_init([2, 2]), four_devices, 3, squared_error, layer_fns=[linear])
     assert step.padded_params == 8 and step.params == 6
     assert step.held_bytes()[four_devices[0]] == cm.zero_bytes_per_device(
         6, 4, 3, "fp32", pad=True)
@@ -81,7 +88,7 @@ def test_bytes_sent_equal_the_formula(four_devices, stage):
     n = 4
     params = mlp_init(SIZES)
     x, y = _data()
-    step = ZeroStep(params, four_devices, stage, squared_error)
+    step = ZeroStep(params, four_devices, stage, squared_error, layer_fns=fns(params))
     xs = collectives.place([a.astype(np.float32) for a in np.split(x, n)], four_devices)
     ys = collectives.place([a.astype(np.float32) for a in np.split(y, n)], four_devices)
     sent = collectives.sent_bytes(step.step, xs, ys)
@@ -94,12 +101,42 @@ def test_bytes_sent_equal_the_formula(four_devices, stage):
 def test_bad_input(four_devices):
     params = mlp_init(SIZES)
     with pytest.raises(ValueError, match="stage must be one of"):
-        ZeroStep(params, four_devices, 4, squared_error)
+        ZeroStep(params, four_devices, 4, squared_error, layer_fns=fns(params))
     with pytest.raises(ValueError, match="learning_rate must be a number > 0"):
-        ZeroStep(params, four_devices, 1, squared_error, learning_rate=0)
+        ZeroStep(params, four_devices, 1, squared_error, learning_rate=0,
+                 layer_fns=fns(params))
     with pytest.raises(ValueError, match="n must be an int >= 1"):
         flatten_layers(params, 0)
     with pytest.raises(ValueError, match="devices is empty"):
-        ZeroStep(params, [], 1, squared_error)
+        ZeroStep(params, [], 1, squared_error, layer_fns=fns(params))
     with pytest.raises(ValueError, match="params must alternate weight, bias; got 3"):
-        ZeroStep(params[:3], four_devices, 1, squared_error)
+        ZeroStep(params[:3], four_devices, 1, squared_error, layer_fns=fns(params))
+    with pytest.raises(ValueError, match="layer_fns must be one function per layer"):
+        ZeroStep(params, four_devices, 1, squared_error, layer_fns=[dense])
+    with pytest.raises(ValueError, match="layer_fns must be one function per layer"):
+        ZeroStep(params, four_devices, 1, squared_error, layer_fns=mlp_apply)
+
+
+def _tanh(params, h):
+    return tf.tanh(tf.matmul(h, params[0]) + params[1])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_layers_are_the_callers(four_devices, stage):
+    """Any layer functions, not only the MLP's: tanh layers, the last one too (float64)."""
+    params = mlp_init(SIZES, seed=4)
+    x, y = _data()
+    vs = [tf.Variable(p.astype(np.float64)) for p in params]
+    opt = tf.keras.optimizers.Adam(**HYPER)
+    step = ZeroStep(params, four_devices[:2], stage, squared_error, **HYPER, dtype=tf.float64,
+                    layer_fns=[_tanh, _tanh])
+    xs = collectives.place(list(np.split(x, 2)), four_devices[:2])
+    ys = collectives.place(list(np.split(y, 2)), four_devices[:2])
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(squared_error(y, _tanh(vs[2:], _tanh(vs[:2], x))))
+        opt.apply_gradients(zip(tape.gradient(loss, vs), vs, strict=False))
+        got = float(sum(v.numpy() for v in step.step(xs, ys)))
+        assert got == pytest.approx(float(loss), rel=1e-12)
+    for got, want in zip(step.weights(0), vs, strict=True):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-12)
