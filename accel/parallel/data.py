@@ -382,7 +382,7 @@ class DataParallel:
         self.model.set_weights(self.copy.get_weights())
 
     def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
-            verbose: int = 1, callbacks=None):
+            verbose: int = 1, callbacks=None, sample_weight=None, class_weight=None):
         """Keras-style training in order, with Keras callbacks; ``write_back()`` at each
         epoch's end (``accel.parallel.keras_model.fit_loop``); returns a
         ``keras.callbacks.History``."""
@@ -390,4 +390,5 @@ class DataParallel:
 
         return fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
                         divisor=len(self.devices), callbacks=callbacks, model=self.model,
-                        sync=self.write_back)
+                        sync=self.write_back,
+                        sample_weight=sample_weight, class_weight=class_weight)

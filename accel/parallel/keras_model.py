@@ -126,13 +126,29 @@ def copy_model(model, device: str):
         try:
             twin = keras.models.clone_model(model)
         except Exception as exc:  # a subclassed model or layer without get_config
-            raise ValueError(f"the model cannot be rebuilt from its config ({type(exc).__name__}"
-                             f": {str(exc).splitlines()[0][:160]}); give custom layers "
-                             "get_config() returning their constructor's arguments") from exc
+            raise ValueError(f"the model cannot be rebuilt from its config: "
+                             f"{_rebuild_advice(exc)}") from exc
         if not twin.built:
             twin.build(model.inputs[0].shape if getattr(model, "inputs", None) else None)
     twin.set_weights(model.get_weights())
     return twin
+
+
+def _rebuild_advice(exc: BaseException) -> str:
+    """What to do when Keras cannot rebuild a layer or model from its config (the forms make
+    their copies that way), read from the exception Keras raised."""
+    text = str(exc)
+    if "unexpected keyword argument" in text:
+        return ("its __init__ does not take the arguments Keras passes to every layer (name, "
+                "dtype, trainable): add **kwargs to __init__ and pass them on with "
+                "super().__init__(**kwargs)")
+    if isinstance(exc, NotImplementedError):
+        return ("its class does not implement get_config(), which Keras needs to make a "
+                "copy: give it get_config() returning its constructor's arguments (with "
+                "**kwargs in __init__)")
+    first = text.splitlines()[0][:200] if text else ""
+    return (f"{type(exc).__name__}: {first}; give custom layers get_config() returning "
+            "their constructor's arguments, and **kwargs in __init__")
 
 
 def copy_layers(layers: Sequence, device: str, input_shape: Sequence[int]) -> list:
@@ -148,8 +164,7 @@ def copy_layers(layers: Sequence, device: str, input_shape: Sequence[int]) -> li
             except Exception as exc:  # a custom layer without get_config / from_config
                 raise ValueError(
                     f"layer {layer.name} ({type(layer).__name__}) cannot be rebuilt from its "
-                    f"config ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); give "
-                    "custom layers get_config() returning their constructor's arguments") from exc
+                    f"config: {_rebuild_advice(exc)}") from exc
             x = copy(x, training=False)  # builds it here, on the device
             copy.set_weights(layer.get_weights())
             copies.append(copy)
@@ -212,7 +227,8 @@ def loss_function(loss) -> Callable:
 
 
 def fit_loop(step: Callable, x, y, batch_size: int | None, epochs: int, verbose: int,
-             divisor: int = 1, callbacks=None, model=None, sync: Callable | None = None):
+             divisor: int = 1, callbacks=None, model=None, sync: Callable | None = None,
+             sample_weight=None, class_weight=None):
     """Keras-style ``fit`` around ``step(x, y) -> loss``: ``x, y`` arrays in order (in batches of
     ``batch_size``, a multiple of ``divisor`` that divides the data) or a ``tf.data.Dataset``
     of ``(x, y)`` batches; Keras's progress bar (``verbose=0``: none) and ``callbacks`` (a list
@@ -221,12 +237,21 @@ def fit_loop(step: Callable, x, y, batch_size: int | None, epochs: int, verbose:
     batch); returns the ``keras.callbacks.History`` whose ``history["loss"]`` holds each
     epoch's mean loss.
 
+    ``sample_weight`` / ``class_weight``: refused with a ``ValueError`` saying what to do
+    (every example weighs the same in the forms' loss).
+
     ``sync()`` (the form's write-back) runs before every ``on_epoch_end`` and before
     ``on_train_end``, so that callbacks that read or save the model (``ModelCheckpoint``,
     ``EarlyStopping(restore_best_weights=True)``) see the trained weights; weights a callback
     sets on the model are not read back into the form's working copies (those written at
     ``on_train_end`` stay)."""
     checks.positive_int("epochs", epochs)
+    for name, value in (("sample_weight", sample_weight), ("class_weight", class_weight)):
+        if value is not None:
+            raise ValueError(f"{name} is not supported by the accel forms: every example "
+                             "weighs the same in their loss. Weight the examples in the loss "
+                             "function instead (a loss of (y_true, y_pred) that multiplies by "
+                             "weights carried in y_true), or repeat the examples to weigh")
     if isinstance(x, tf.data.Dataset):
         if y is not None:
             raise ValueError("with a tf.data.Dataset, give y inside it, not as y=")

@@ -446,11 +446,12 @@ class ModelParallel:
             km.write_back(part, copies)
 
     def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
-            verbose: int = 1, callbacks=None):
+            verbose: int = 1, callbacks=None, sample_weight=None, class_weight=None):
         """Keras-style training in order, with Keras callbacks
         (``accel.parallel.keras_model.fit_loop``; with replicas, ``batch_size`` a multiple of
         their number); ``write_back()`` at each epoch's end; returns a
         ``keras.callbacks.History``."""
         return km.fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
                         divisor=len(self.replicas), callbacks=callbacks, model=self.model,
-                        sync=self.write_back)
+                        sync=self.write_back,
+                        sample_weight=sample_weight, class_weight=class_weight)

@@ -402,7 +402,7 @@ class Pipeline:
             km.write_back(part, copies)
 
     def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
-            verbose: int = 1, callbacks=None):
+            verbose: int = 1, callbacks=None, sample_weight=None, class_weight=None):
         """Train on ``x, y`` (arrays, in order, ``batch_size`` a multiple of
         ``num_microbatches`` that divides the data) or on a ``tf.data.Dataset`` of ``(x, y)``
         batches; a progress bar per epoch (``verbose=0``: none) and Keras ``callbacks``. Returns
@@ -410,7 +410,8 @@ class Pipeline:
         the trained weights are written into the user's model at each epoch's end."""
         return km.fit_loop(lambda xb, yb: self.train_step(xb, yb).loss, x, y, batch_size,
                         epochs, verbose, divisor=self.num_microbatches, callbacks=callbacks,
-                        model=self.model, sync=self.write_back)
+                        model=self.model, sync=self.write_back,
+                        sample_weight=sample_weight, class_weight=class_weight)
 
 
 def _keras_stage_fn(copies: list) -> Callable:

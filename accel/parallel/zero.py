@@ -460,7 +460,7 @@ class KerasReplicas:
         return float(self._step(tuple(tf.split(x, parts)), tuple(tf.split(y, parts))))
 
     def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1, verbose: int = 1,
-            callbacks=None):
+            callbacks=None, sample_weight=None, class_weight=None):
         """Keras-style training in order, with Keras callbacks
         (``accel.parallel.keras_model.fit_loop``); ``write_back()`` at each epoch's end;
         returns a ``keras.callbacks.History``."""
@@ -468,7 +468,8 @@ class KerasReplicas:
 
         return fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
                         divisor=self.n * self.accumulation_steps, callbacks=callbacks,
-                        model=self.model, sync=self.write_back)
+                        model=self.model, sync=self.write_back,
+                        sample_weight=sample_weight, class_weight=class_weight)
 
     def write_back(self) -> None:
         """The trained weights into the user's model: the full trainable weights, and the

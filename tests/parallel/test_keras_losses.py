@@ -137,11 +137,15 @@ def vae():
 
 
 MODELS = {"l2_mlp": l2_mlp, "text": text, "kl_seq": kl_seq, "vae": vae}
-TEXT_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def text_loss():
+    """Made when called: a Keras loss computes in the floatx of its making (float64 here)."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def loss_of(name):
-    return TEXT_LOSS if name == "text" else "mse"
+    return text_loss() if name == "text" else "mse"
 
 
 def make(name, seed=0):
@@ -242,7 +246,7 @@ def test_the_terms_change_the_answer(four_devices):
 def test_saved_and_loaded_after_training(four_devices, tmp_path):
     """The user's model holds the weights: save, load (custom layers registered), predict."""
     model, x, y = make("text")
-    train(Pipeline(model, four_devices[:2], loss=TEXT_LOSS, num_microbatches=2,
+    train(Pipeline(model, four_devices[:2], loss=text_loss(), num_microbatches=2,
                    optimizer=keras.optimizers.Adam(0.02)), x, y)
     model.save(tmp_path / "text.keras")
     back = keras.models.load_model(tmp_path / "text.keras")
@@ -257,14 +261,14 @@ def test_dropout_on_trains_and_stays_finite(four_devices):
     model = text(dropout=0.2)
     rng = np.random.default_rng(4)
     x, y = rng.integers(0, 12, (BATCH, 5)).astype("int32"), rng.integers(0, 3, BATCH)
-    first = float(TEXT_LOSS(y, model(x)))
+    first = float(text_loss()(y, model(x)))
     for make_form in (forms(four_devices)["towers"], forms(four_devices)["1f1b"]):
-        trainer = make_form(model, TEXT_LOSS)
+        trainer = make_form(model, text_loss())
         for _ in range(8):
             trainer.train_step(x, y)
         trainer.write_back()
     assert all(np.isfinite(w).all() for w in model.get_weights())
-    assert float(TEXT_LOSS(y, model(x))) < first
+    assert float(text_loss()(y, model(x))) < first
 
 
 def test_embedding_gradients_stay_sparse(four_devices):
@@ -455,3 +459,82 @@ def test_batchnorm_hybrid_and_zero_keep_the_first_replicas_statistics(four_devic
         assert bn.moving_mean.path.endswith("moving_mean")
         np.testing.assert_allclose(model.get_weights()[4], mean, rtol=1e-6, atol=1e-9)
         np.testing.assert_allclose(model.get_weights()[5], var, rtol=1e-6, atol=1e-9)
+
+
+# -- refusals that say what to do ---------------------------------------------------------
+
+class _NoKwargs(keras.layers.Layer):
+    def __init__(self, units):  # no **kwargs: Keras cannot pass name, dtype, trainable
+        super().__init__()
+        self.units = units
+        self.dense = keras.layers.Dense(units)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+class _NoConfig(keras.Model):
+    """Made with an argument Keras cannot serialise and no get_config(): Keras's own error
+    starts with a newline (its first line is empty)."""
+
+    def __init__(self, scale, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = scale
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x) * self.scale
+
+
+def test_refusals_say_what_to_do(four_devices):
+    keras.config.set_floatx("float32")  # the fixture puts float64 back
+    model = keras.Sequential([keras.Input((4,)), _NoKwargs(3), keras.layers.Dense(2)])
+    for make_form in (lambda: DataParallel(model, four_devices[:2], loss="mse", optimizer="sgd"),
+                      lambda: Pipeline(model, four_devices[:2], loss="mse", optimizer="sgd",
+                                       num_microbatches=2)):
+        with pytest.raises(ValueError, match=r"add \*\*kwargs to __init__"):
+            make_form()
+    subclassed = _NoConfig(np.ones(2, "float32"))
+    subclassed(np.zeros((1, 4), "float32"))
+    with pytest.raises(ValueError, match=r"does not implement get_config\(\)"):
+        DataParallel(subclassed, four_devices[:2], loss="mse", optimizer="sgd")
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    towers = DataParallel(plain, four_devices[:2], loss="mse", optimizer="sgd")
+    x, y = np.zeros((4, 4), "float32"), np.zeros((4, 2), "float32")
+    for option in ("sample_weight", "class_weight"):
+        with pytest.raises(ValueError, match=f"{option} is not supported"):
+            towers.fit(x, y, batch_size=2, verbose=0, **{option: np.ones(4)})
+
+
+def _dense_gradient_reference(name):
+    """Keras's Adam on one device fed the *dense* gradient of the embedding (what the sharded
+    forms' flat gradient buffers give it), with the same loss as fit."""
+    model, x, y = make(name)
+    adam = keras.optimizers.Adam(0.02)
+    loss_fn = keras.losses.get(loss_of(name)) if name != "text" else text_loss()
+    for k in range(STEPS):
+        xb, yb = x[k * BATCH:(k + 1) * BATCH], y[k * BATCH:(k + 1) * BATCH]
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(loss_fn(yb, model(xb, training=True))) + tf.add_n(
+                [tf.cast(t, "float64") for t in model.losses] or [tf.zeros((), "float64")])
+        grads = tape.gradient(loss, model.trainable_variables)
+        adam.apply_gradients(zip([tf.convert_to_tensor(g) for g in grads],
+                                 model.trainable_variables, strict=True))
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=SLOW)])
+def test_sharded_forms_feed_keras_a_dense_embedding_gradient(four_devices, stage):
+    """ZeRO (and Offload, Accumulating: the same flat buffers) densify an embedding's
+    gradient: they equal Keras's Adam fed dense gradients, not fit's sparse Adam (a token seen
+    twice in a batch: the square of the sum of its rows' gradients, not the sum of squares)."""
+    dense = _dense_gradient_reference("text")
+    model, x, y = make("text")
+    train(Zero(model, four_devices[:2], loss=text_loss(), stage=stage, run_eagerly=True,
+               optimizer=keras.optimizers.Adam(0.02)), x, y)
+    assert_weights_equal(model.get_weights(), dense, f"zero {stage}")
+    sparse = keras_reference("text")
+    assert np.abs(sparse[0] - dense[0]).max() > 1e-4  # fit's sparse Adam differs
