@@ -386,6 +386,11 @@ class KerasReplicas:
     * ``train_step(x, y) -> loss``; ``fit(x, y, batch_size, epochs, verbose)`` (Keras-style,
       ``batch_size`` a multiple of ``len(devices) * accumulation_steps``), then ``write_back()``;
       ``held_variables()`` and ``held_bytes()``: what each device keeps between steps.
+    * Training loss: the compiled loss plus the terms the model adds (``model.losses``),
+      each device and micro-batch its share, as ``fit`` under a strategy. Gradients go through
+      flat buffers, so an ``Embedding``'s sparse gradient is made dense: the optimizer updates
+      as Keras's fed that dense gradient (for Adam not ``fit``'s sparse update when a token
+      repeats in a batch). ``LossScaleOptimizer`` is refused; ``mixed_bfloat16`` works.
     * ``run_eagerly=True``: the step runs op by op (no tracing: cheaper for a few steps of
       a model whose tracing is slow, such as attention); else one ``tf.function``.
     """
