@@ -21,6 +21,8 @@ costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, 
              accel.costmodel.steps (01-07)     FLOPs of a run, copy times, data-parallel step time
              accel.costmodel.model_parallel    naive model parallelism on GPUs: step, idle (09)
              accel.costmodel.pipeline (10)     pipeline step, bubble, transformer activations
+             accel.costmodel.transformer (09-16) a transformer layer's FLOPs and activation
+                                               bytes (the planner's and the chapters' figures)
              accel.costmodel.tensor_parallel   when tensor parallelism pays; Megatron's scaling (11)
              accel.costmodel.collectives (13)  alpha-beta all-reduce model (separate links or one
                                                shared machine), bus bandwidth
@@ -47,6 +49,7 @@ collectives  accel.collectives.base (11-15)   checks, one value per device, coll
              accel.collectives.one_device (13) reduce, broadcast, all-reduce through one device
              accel.collectives.ring (13)      the ring all-reduce, its schedule as data
              accel.collectives.tree (13)      the tree all-reduce
+             accel.collectives.halving_doubling recursive halving-doubling all-reduce (13)
              accel.collectives.packing (13)   buckets of small gradients, float16 compression
 parallel     accel.parallel.staleness (06)     the server's decision rules, records, staleness
              accel.parallel.parameter_server   parameter server + worker threads (06)
@@ -57,8 +60,15 @@ parallel     accel.parallel.staleness (06)     the server's decision rules, reco
              accel.parallel.local_sgd (13)     replicas average their weights every k steps
              accel.parallel.inputs (08)        TFRecord files through tf.data, split per tower
              accel.parallel.partition (09-10)  cutting layers into balanced parts (pure)
-             accel.parallel.keras_model (09-)  the model contract: a Keras Sequential's layers
-                                               copied onto devices, trained, written back
+             accel.parallel.keras_model (09-)  the model contract: a Keras model's layers
+                                               copied onto devices; the loss fit trains
+                                               (model.losses included); sparse gradients merged
+             accel.parallel.form (07-15)       Form, the base of every Keras form: one device
+                                               rule, optimizer policy, fit with Keras's habits,
+                                               train_step logs, write_back
+             accel.parallel.forms (07-15)      every Keras form by name (FORMS, make_form)
+             accel.parallel.replicas (15)      KerasReplicas: a model run by several devices,
+                                               each on its shard (Zero, Offload, Accumulating)
              accel.parallel.layers (09-10)     a model as a list of layers (fn, arrays) / Keras
              accel.parallel.model (09)         model parallelism: split, split step (TF2, TF1),
                                                hybrid replicas x stages
@@ -86,6 +96,8 @@ distributed  accel.distributed.cluster (12)    cluster specs, TF_CONFIG, LocalCl
                                                variables on ps tasks by bytes, ensembles
              accel.distributed.tf2_runs (12)   ParameterServerStrategy + ClusterCoordinator and
                                                MultiWorkerMirroredStrategy as processes
+             accel.distributed.keras_remote    every Keras form across processes: a client
+                                               connected to a cluster (fit_on_cluster)
              accel.distributed.strategies (14) MultiWorkerMirroredStrategy workers: what each
                                                reads (InputContext, AutoShardPolicy), checkpoints,
                                                a killed or frozen worker and the restart

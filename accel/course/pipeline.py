@@ -360,8 +360,8 @@ def measure_keras_bubble(devices: Sequence[str], microbatches: Sequence[int] = (
             pipe = Pipeline(model, devices, loss="mse", optimizer="sgd", num_microbatches=m,
                             schedule=name, num_chunks=chunks)
             x, y = make_batch(m, microbatch, width)
-            pipe.train_step(x, y)  # warm-up
-            runs = [pipe.train_step(x, y) for _ in range(repeat)]
+            pipe.run_step(x, y)  # warm-up
+            runs = [pipe.run_step(x, y) for _ in range(repeat)]
             idle = [float(np.mean(pe.measured_idle_fractions(r))) for r in runs]
             rows[m] = {"measured": min(idle), "formula": pl.bubble_fraction(m, p, chunks),
                        "task_s": _task_times(runs[-1]), "step_s": min(_span(r) for r in runs)}

@@ -20,8 +20,9 @@ a notebook kernel or a test runner. Here:
   does not accept a connection within ``timeout`` seconds (connecting is lazy: without this check
   the first op on a dead task waits forever);
 * ``fit_on_cluster(cluster, model, x, y, runs, loss=, optimizer=, batch_size=, epochs=)`` (in your
-  own process): trains ``model`` with each form of ``runs`` (``Pipeline``, ``TensorParallel``,
-  ``ModelParallel``, ``DataParallel``, on the devices each run names) in **one** separate client
+  own process): trains ``model`` with each form of ``runs`` (any form of
+  ``accel.parallel.forms.FORMS``: towers, split and hybrid, the pipelines, tensor parallel,
+  ZeRO 0-3, offload, accumulation; on the devices each run names) in **one** separate client
   process (``python -m accel.distributed.keras_remote SPEC``) that connects to the cluster.
   The model travels as a ``.keras`` file (``model.save``; a custom layer must be registered with
   ``keras.saving.register_keras_serializable`` in a module or ``.py`` file listed in
@@ -52,20 +53,20 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import keras
 import numpy as np
 
 from accel import checks
 from accel.devices import parse_device
 from accel.distributed.cluster import task_device
+from accel.parallel import forms as registry
+from accel.parallel.pipeline import device_orders
 from accel.procs import report_and_linger, start_python, wait_for_reports
 
 __all__ = ["FORMS", "cluster_tasks", "worker_devices", "check_cluster_devices",
            "check_reachable", "connect", "RemoteFit", "fit_on_cluster", "main"]
 
-FORMS = ("pipeline", "tensor", "model", "data")
-# the options each form takes besides the model, the devices, the loss and the optimizer
-_OPTIONS = {"pipeline": ("num_microbatches", "schedule", "num_chunks", "balance", "recompute"),
-            "tensor": ("rules",), "model": ("balance", "replicas"), "data": ("variable_device",)}
+FORMS = tuple(registry.FORMS)  # every form of accel.parallel.forms
 
 
 def _spec_of(cluster) -> dict[str, list[str]]:
@@ -170,15 +171,15 @@ def _check_runs(runs: Sequence[Mapping], spec: dict) -> list[dict]:
         checks.one_of("form", form, FORMS)
         optimizer = run.pop("optimizer", None)
         devices = check_cluster_devices(run.pop("devices", None) or (), spec)
-        unknown = sorted(set(run) - set(_OPTIONS[form]))
+        unknown = sorted(set(run) - set(registry.FORMS[form].options))
         if unknown:
             raise ValueError(f"{form} run: unknown options {unknown}; it takes "
-                             f"{list(_OPTIONS[form])}")
-        for key in ("replicas",):
+                             f"{list(registry.FORMS[form].options)}")
+        if "replicas" in run:
+            run["replicas"] = [check_cluster_devices(r, spec) for r in run["replicas"]]
+        for key in ("variable_device", "host"):
             if key in run:
-                run[key] = [check_cluster_devices(r, spec) for r in run[key]]
-        if "variable_device" in run:
-            run["variable_device"] = check_cluster_devices([run["variable_device"]], spec)[0]
+                run[key] = check_cluster_devices([run[key]], spec)[0]
         if not devices and "replicas" not in run:
             raise ValueError(f"{form} run: devices is empty")
         out.append({"form": form, "devices": devices, "options": run, "optimizer": optimizer})
@@ -195,20 +196,20 @@ def fit_on_cluster(cluster, model, x, y, runs: Sequence[Mapping], *, loss, optim
     """Train ``model`` on ``x, y`` with each run of ``runs`` in one client process connected
     to ``cluster`` (a dict or a ``LocalCluster``), each run from ``model``'s current weights.
 
-    A run is ``{"form": "pipeline" | "tensor" | "model" | "data", "devices": [...], **options}``
-    with the form's own options (pipeline: ``num_microbatches``, ``schedule``, ``num_chunks``,
-    ``balance``, ``recompute``; tensor: ``rules``; model: ``balance`` or ``replicas`` instead of
-    devices; data: ``variable_device``) and, optionally, its own ``optimizer``. ``loss`` and
-    ``optimizer`` are Keras objects or names (each run gets a fresh optimizer from the
-    config). The client trains as the form's ``fit`` does (``TensorParallel``: ``compile``,
-    then Keras's ``fit`` in order), in this process's ``keras.config.floatx()`` and dtype
-    policy, writes back, and reports. ``model`` is not changed.
+    A run is ``{"form": name, "devices": [...], **options}``, ``name`` a key of
+    ``accel.parallel.forms.FORMS`` (``"data"``, ``"model"``, ``"pipeline"``, ``"tensor"``,
+    ``"zero"``, ``"offload"``, ``"accumulate"``) with the form's own options (its class's
+    ``options``: pipeline ``num_microbatches``, ``schedule``, ...; model ``balance`` or
+    ``replicas`` instead of devices; zero ``stage``; offload ``host``; ...) and, optionally, its
+    own ``optimizer``. The client builds it with ``accel.parallel.forms.make_form`` and reports
+    through the form's public methods. ``loss`` and ``optimizer`` are Keras objects or names
+    (each run gets a fresh optimizer from the config). The client trains with the form's
+    ``fit`` in order (``shuffle=False``), in this process's ``keras.config.floatx()`` and
+    dtype policy, writes back, and reports. ``model`` is not changed.
 
     Errors: ``ValueError`` for a device of a task the cluster lacks, ``ConnectionError`` for
     a task that does not answer within ``connect_timeout``, ``ChildFailed`` with the client's
     error or after ``timeout`` seconds."""
-    import keras
-
     spec = _spec_of(cluster)
     checked = _check_runs(runs, spec)
     for run in checked:  # a run's own optimizer, else the common one
@@ -249,35 +250,8 @@ def fit_on_cluster(cluster, model, x, y, runs: Sequence[Mapping], *, loss, optim
 
 
 # ------------------------------------------------------------------ the client process
-def _build(form: str, model, devices: list[str], options: dict, loss, optimizer):
-    """The form object, and a function returning its working variables and its optimizer."""
-    from accel.parallel import data, pipeline_exec, tensor
-    from accel.parallel import model as model_parallel
-
-    if form == "pipeline":
-        f = pipeline_exec.Pipeline(model, devices, loss=loss, optimizer=optimizer, **options)
-        return f, lambda: ([w for cs in f.copies for c in cs for w in c.weights], f.optimizer)
-    if form == "tensor":
-        f = tensor.TensorParallel(model, devices, options["rules"])
-        f.compile(optimizer, loss)
-        return f, lambda: (f.model.weights, f.model.optimizer)
-    if form == "model":
-        if "replicas" in options:
-            f = model_parallel.ModelParallel(model, loss=loss, optimizer=optimizer, **options)
-        else:
-            f = model_parallel.ModelParallel(model, devices, loss=loss, optimizer=optimizer,
-                                             **options)
-        return f, lambda: ([w for cs in f.copies for part in cs for c in part for w in c.weights],
-                           [v for o in f.optimizers for v in o.variables])
-    f = data.DataParallel(model, devices, loss=loss, optimizer=optimizer, **options)
-    return f, lambda: (f.copy.weights, f.optimizer)
-
-
 def _fit_one(request: dict, k: int, run: dict, x, y) -> dict:
-    import keras
     from tensorflow.python.eager import context
-
-    from accel.parallel.pipeline import device_orders
 
     model = keras.models.load_model(os.path.join(request["work"], "model.keras"), compile=False)
     optimizer = run["optimizer"]
@@ -286,34 +260,21 @@ def _fit_one(request: dict, k: int, run: dict, x, y) -> dict:
     loss = request["loss"]
     loss = loss if isinstance(loss, str) else keras.losses.deserialize(loss)
     form, devices, options = run["form"], run["devices"], run["options"]
-    built, state = _build(form, model, devices, options, loss, optimizer)
-    orders: list = []
-    if form == "pipeline":  # keep the last step's per-device record (what each device ran)
-        step = built.train_step
-
-        def train_step(xb, yb):
-            result = step(xb, yb)
-            orders[:] = result.orders()
-            return result
-        built.train_step = train_step
-    fit = built.model.fit if form == "tensor" else built.fit
-    kwargs = {"shuffle": False} if form == "tensor" else {}
+    built = registry.make_form(form, model, devices or None, loss=loss, optimizer=optimizer,
+                               **options)
     context.enable_run_metadata()
-    try:
-        history = fit(x, y, batch_size=request["batch_size"], epochs=request["epochs"],
-                      verbose=0, **kwargs)
+    try:  # in order, as the caller's data is given; fit writes back into model
+        history = built.fit(x, y, batch_size=request["batch_size"], epochs=request["epochs"],
+                            verbose=0, shuffle=False)
         metadata = context.export_run_metadata()
     finally:
         context.disable_run_metadata()
-    if form == "tensor":
-        built.write_back()
+    orders = built.last_run.orders() if form == "pipeline" else []
     op_devices: dict[str, set] = {}
     for graph in metadata.function_graphs:
         for partition in graph.partition_graphs:
             for node in partition.node:
                 op_devices.setdefault(node.device, set()).add(node.op)
-    variables, opt = state()
-    opt_vars = opt if isinstance(opt, list) else opt.variables
     np.savez(os.path.join(request["work"], f"run{k}.npz"),
              **{f"w{i}": w for i, w in enumerate(model.get_weights())})
     if form == "pipeline":
@@ -321,10 +282,17 @@ def _fit_one(request: dict, k: int, run: dict, x, y) -> dict:
         if [list(map(tuple, o)) for o in orders] != expected:  # pragma: no cover - a bug
             raise RuntimeError(f"the pipeline ran {orders}, not its schedule's {expected}")
     return {"losses": [float(v) for v in history.history["loss"]],
-            "variables": [(v.path, v.value.device) for v in variables],
-            "slots": [(v.path, v.value.device) for v in opt_vars],
+            "variables": [_where(v) for v in built.working_variables()],
+            "slots": [_where(v) for v in built.optimizer_variables()],
             "op_devices": {d: sorted(ops) for d, ops in op_devices.items() if d},
             "device_orders": [[list(t) for t in o] for o in orders]}
+
+
+def _where(variable) -> tuple[str, str]:
+    """``(path or name, device)`` of a Keras variable or a ``tf.Variable``."""
+    if isinstance(variable, keras.Variable):
+        return variable.path, variable.value.device
+    return variable.name, variable.device
 
 
 def _import(module: str) -> None:
@@ -341,8 +309,6 @@ def _import(module: str) -> None:
 
 
 def _client(request: dict) -> dict:
-    import keras
-
     keras.config.set_floatx(request["floatx"])  # the caller's, before any layer is made
     keras.config.set_dtype_policy(keras.dtype_policies.deserialize(request["dtype_policy"]))
     for module in request["imports"]:

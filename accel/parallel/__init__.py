@@ -18,7 +18,13 @@
 - ``accel.parallel.trace`` (09): what crossed between devices (bytes) and when each device was
   busy, from what TensorFlow executed;
 - ``accel.parallel.keras_model`` (09-): the model contract every form shares: a Keras
-  ``Sequential``'s layers copied onto devices, trained there, their weights written back;
+  model's layers copied onto devices, the loss ``fit`` trains (``model.losses`` included),
+  sparse gradients merged as slices;
+- ``accel.parallel.form`` (07-15): ``Form``, the base of every Keras form (one device rule,
+  the optimizer policy, ``fit`` with Keras's habits, ``train_step`` logs, ``write_back``);
+- ``accel.parallel.forms``: every Keras form by name (``FORMS``, ``make_form``);
+- ``accel.parallel.replicas`` (15): ``KerasReplicas``, a Keras model run by several devices on
+  their shards, the base of ``Zero``, ``Offload`` and ``Accumulating``;
 - ``accel.parallel.pipeline`` (10): pipeline schedules (GPipe, 1F1B, interleaved 1F1B) as plain
   data, no TensorFlow;
 - ``accel.parallel.pipeline_exec`` (10): running any such schedule on TensorFlow devices;

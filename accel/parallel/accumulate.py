@@ -5,8 +5,9 @@ step on the ``k``-times larger batch, while only one micro-batch's activations a
 (the micro-steps run one after the other, eagerly).
 
 ``Accumulating(model, loss=..., optimizer=..., accumulation_steps=k)`` is the same for a Keras
-model and a Keras optimizer on one device; ``accel.parallel.zero.Zero`` and
-``accel.parallel.offload.Offload`` take ``accumulation_steps`` too.
+model and a Keras optimizer on one device (``accel.parallel.replicas.KerasReplicas``, as
+``accel.parallel.zero.Zero`` and ``accel.parallel.offload.Offload``, which take
+``accumulation_steps`` too).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from accel import checks
-from accel.parallel.zero import Zero
+from accel.parallel.replicas import KerasReplicas
 from accel.training import make_update
 
 __all__ = ["accumulated_gradients", "make_accumulating_step", "Accumulating"]
@@ -52,7 +53,7 @@ def make_accumulating_step(model: tf.keras.Model, loss_fn: Callable, optimizer, 
     return step
 
 
-class Accumulating(Zero):
+class Accumulating(KerasReplicas):
     """Gradient accumulation for a Keras model and a Keras optimizer on one ``device`` (default:
     the first GPU, else the first CPU): ``train_step(x, y)`` runs the batch in
     ``accumulation_steps`` micro-batches one after the other, adds their gradients into a buffer
@@ -62,21 +63,57 @@ class Accumulating(Zero):
     at the k-th batch, and its step count (``iterations``) moves once per update, so training
     on batch ``B`` here equals Keras's ``fit`` with batch ``B / k`` and
     ``gradient_accumulation_steps=k`` (BatchNorm included: each micro-batch is normalised on its
-    own and updates the moving statistics in turn).
+    own and updates the moving statistics in turn). An optimizer made with
+    ``gradient_accumulation_steps=k`` gives ``k`` here too (``accumulation_steps`` may then be
+    left out).
 
     The weights, the buffer and the optimizer's slots live on ``device``, in variables of this
-    form (``Zero`` with one device and ``stage=0``); ``write_back()`` (and the end of ``fit``)
-    puts them into the user's model. Optimizers: ``accel.parallel.zero.keras_optimizer_factory``.
+    form; ``write_back()`` (and the end of ``fit``) puts them into the user's model. Optimizers:
+    ``accel.parallel.form.keras_optimizer_factory``.
     """
 
-    def __init__(self, model, *, loss, optimizer, accumulation_steps: int,
+    name = "accumulate"
+    options = ("accumulation_steps", "exclude_from_weight_decay", "run_eagerly")
+
+    def __init__(self, model, *, loss, optimizer, accumulation_steps: int | None = None,
                  device: str | None = None,
                  exclude_from_weight_decay=None, run_eagerly: bool = False):
+        if accumulation_steps is None and not getattr(optimizer, "gradient_accumulation_steps",
+                                                      None):
+            raise ValueError("give accumulation_steps, or an optimizer made with Keras's "
+                             "gradient_accumulation_steps")
         if device is None:
             device = (tf.config.list_logical_devices("GPU")
                       or tf.config.list_logical_devices("CPU"))[0].name
-        super().__init__(model, [device], loss=loss, optimizer=optimizer, stage=0,
+        super().__init__(model, [device], loss=loss, optimizer=optimizer,
                          accumulation_steps=accumulation_steps,
                          exclude_from_weight_decay=exclude_from_weight_decay,
                          run_eagerly=run_eagerly)
         self.device = self.devices[0]
+        self._full = self._variables(self.device, self._weights)
+        with tf.device(self.device):
+            self._grads.append([tf.Variable(tf.zeros(w.shape, w.dtype), trainable=False)
+                                for w in self._weights])
+            self.optimizer = self._make_optimizer()
+            self.optimizer.build(self._full)
+
+    def held_variables(self) -> dict[str, dict[str, list]]:
+        return {self.device: {"weights": self._full + self._state_vars[0],
+                              "grads": self._grads[0],
+                              "optimizer": self._slots(self.optimizer)}}
+
+    def _trained_weights(self) -> list:
+        return [v.numpy() for v in self._full]
+
+    def _micro_step(self, xs, ys, scale) -> list:
+        loss, grads = self._local_gradients(0, self._full, xs[0], ys[0], scale)
+        with tf.device(self.device):
+            for buffer, g in zip(self._grads[0], grads, strict=True):
+                buffer.assign_add(g)
+        return [loss]
+
+    def _apply(self) -> None:
+        with tf.device(self.device):
+            grads = [g.read_value() for g in self._grads[0]]
+            (grads,) = self._clip([grads], [self.device], sliced=False)
+            self.optimizer.apply(grads, self._full)

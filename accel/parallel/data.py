@@ -26,6 +26,7 @@ import tensorflow as tf
 from accel import checks
 from accel.devices import parse_device
 from accel.parallel import keras_model as km
+from accel.parallel.form import Form, device_list
 from accel.training import make_update
 
 __all__ = [
@@ -203,10 +204,7 @@ def _loss(loss_fn, y, forward, x):
     """The batch's training loss: the mean of ``loss_fn`` plus the model's added terms (as
     Keras's ``Trainer.compute_loss``: ``accel.parallel.keras_model.training_loss``)."""
     pred, terms = forward(x)
-    loss = tf.reduce_mean(loss_fn(y, pred))
-    for term in terms:
-        loss += tf.cast(tf.reduce_sum(term), loss.dtype)
-    return loss
+    return km.training_loss(loss_fn, y, pred, terms)
 
 
 def _check_variables_on(variables, device: str) -> None:
@@ -336,7 +334,7 @@ def scaled_learning_rate(base_lr: float, base_batch: int, global_batch: int) -> 
     return base_lr * global_batch / base_batch
 
 
-class DataParallel:
+class DataParallel(Form):
     """The towers recipe for a Keras model (any model ``keras.models.clone_model`` can copy).
 
     ``DataParallel(model, devices, loss=..., optimizer=...)`` trains a working copy of
@@ -344,10 +342,8 @@ class DataParallel:
     ``variable_device`` (default ``devices[0]``); every step splits the batch into one shard
     per device, each tower runs the copy's forward and backward on its shard under
     ``tf.device``, and the averaged gradients are applied once (``make_tower_step``).
-
-    * ``train_step(x, y) -> loss``: one step (the user's model untouched);
-    * ``fit(x, y, batch_size, epochs)``: Keras-style (``batch_size`` a multiple of the number
-      of devices), then ``write_back()`` puts the weights into the user's model.
+    ``train_step``, ``fit`` (Keras's habits; batches a multiple of the number of devices) and
+    ``write_back`` are ``accel.parallel.form.Form``'s.
 
     What it trains is what ``fit`` trains: the loss plus ``model.losses`` (regularizers,
     ``add_loss``), each tower adding its own call's terms, the towers' gradients averaged (as
@@ -361,34 +357,31 @@ class DataParallel:
     ``BatchNormalization(synchronized=True)`` normalises over the whole batch instead.
     """
 
+    name = "data"
+    options = ("variable_device",)
+
     def __init__(self, model, devices: Sequence[str], *, loss, optimizer,
                  variable_device: str | None = None):
-        self.devices = [parse_device(d).to_string() for d in devices]
-        if not self.devices:
-            raise ValueError("devices is empty: give at least one device name")
+        self.devices = device_list(devices)
         self.variable_device = parse_device(variable_device or self.devices[0]).to_string()
         self.model = model
         self.copy = km.copy_model(model, self.variable_device)
-        self.optimizer = km.fresh_optimizer(optimizer)
-        self._step = make_tower_step(None, km.loss_function(loss), self.copy, self.optimizer,
-                                     self.devices, self.variable_device, sparse=True)
+        self.optimizer = self.make_optimizer(optimizer)
+        self._tower_step = make_tower_step(None, km.loss_function(loss), self.copy,
+                                           self.optimizer, self.devices, self.variable_device,
+                                           sparse=True)
 
-    def train_step(self, x, y) -> float:
-        """One synchronous step over the towers; the batch's mean loss."""
-        return float(self._step(tf.convert_to_tensor(x), tf.convert_to_tensor(y)))
+    def _step(self, x, y):
+        return self._tower_step(x, y)
+
+    def batch_parts(self) -> int:
+        return len(self.devices)
 
     def write_back(self) -> None:
-        """The copy's weights (trainable and not) into the user's model."""
         self.model.set_weights(self.copy.get_weights())
 
-    def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
-            verbose: int = 1, callbacks=None, sample_weight=None, class_weight=None):
-        """Keras-style training in order, with Keras callbacks; ``write_back()`` at each
-        epoch's end (``accel.parallel.keras_model.fit_loop``); returns a
-        ``keras.callbacks.History``."""
-        from accel.parallel.keras_model import fit_loop
+    def working_variables(self) -> list:
+        return list(self.copy.weights)
 
-        return fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
-                        divisor=len(self.devices), callbacks=callbacks, model=self.model,
-                        sync=self.write_back,
-                        sample_weight=sample_weight, class_weight=class_weight)
+    def optimizer_variables(self) -> list:
+        return list(self.optimizer.variables)

@@ -13,8 +13,6 @@ way, written once here:
 * ``balance_layers`` and ``copy_parts``: the layers cut into consecutive parts (by count,
   parameter bytes or an explicit list, ``accel.parallel.partition``) and each part copied onto
   its device;
-* ``fit_loop``: Keras-style ``fit`` (in order, a progress bar, callbacks, a ``History``)
-  around a form's training step, for forms that cannot run under ``model.fit``;
 * ``write_back(layers, copies)``: the copies' weights (trainable and not, e.g. BatchNorm's
   moving statistics) back into the user's layers, so that ``model.predict``, ``model.save``
   and ``model.evaluate`` see the trained model;
@@ -50,11 +48,12 @@ import tensorflow as tf
 
 from accel import checks
 from accel.devices import parse_device
+from accel.parallel import partition
 from accel.placement import short_device
 
 __all__ = ["sequential_layers", "input_shape_of", "balance_layers", "copy_model", "copy_layers",
            "copy_parts", "output_shape_of", "write_back", "fresh_optimizer", "loss_function",
-           "variable_devices", "fit_loop", "call_layers", "added_loss", "training_loss",
+           "variable_devices", "call_layers", "added_loss", "training_loss",
            "merge_gradients", "is_sparse", "loss_scale"]
 
 
@@ -82,8 +81,6 @@ def input_shape_of(model) -> tuple:
 def balance_layers(layers: Sequence, num_parts: int, balance="count") -> list[int]:
     """Layers per part: ``"count"`` (as equal as possible), ``"bytes"`` (parameter bytes; a
     layer without weights counts 1 byte), or an explicit list checked against the layers."""
-    from accel.parallel import partition
-
     n = len(layers)
     if n < num_parts:
         raise ValueError(f"the model has {n} layers, fewer than the {num_parts} parts to cut it "
@@ -105,8 +102,6 @@ def copy_parts(layers: Sequence, sizes: Sequence[int], devices: Sequence[str],
                input_shape: Sequence[int]) -> tuple[list[list], list[list]]:
     """``(parts, copies)``: the layers cut by ``sizes``, and each part copied onto its device
     (``devices[i]`` for part ``i``)."""
-    from accel.parallel import partition
-
     parts, copies, shape = [], [], tuple(input_shape)
     for r, device in zip(partition.part_ranges(sizes), devices, strict=True):
         part = [layers[i] for i in r]
@@ -224,76 +219,6 @@ def loss_function(loss) -> Callable:
         return loss
     raise ValueError(f"loss must be a keras.losses.Loss, its name or a function, got "
                      f"{type(loss).__name__}")
-
-
-def fit_loop(step: Callable, x, y, batch_size: int | None, epochs: int, verbose: int,
-             divisor: int = 1, callbacks=None, model=None, sync: Callable | None = None,
-             sample_weight=None, class_weight=None):
-    """Keras-style ``fit`` around ``step(x, y) -> loss``: ``x, y`` arrays in order (in batches of
-    ``batch_size``, a multiple of ``divisor`` that divides the data) or a ``tf.data.Dataset``
-    of ``(x, y)`` batches; Keras's progress bar (``verbose=0``: none) and ``callbacks`` (a list
-    of ``keras.callbacks.Callback``, called as Keras's ``fit`` calls them, with ``model``, the
-    user's model, as their model; ``model.stop_training = True`` ends training after the
-    batch); returns the ``keras.callbacks.History`` whose ``history["loss"]`` holds each
-    epoch's mean loss.
-
-    ``sample_weight`` / ``class_weight``: refused with a ``ValueError`` saying what to do
-    (every example weighs the same in the forms' loss).
-
-    ``sync()`` (the form's write-back) runs before every ``on_epoch_end`` and before
-    ``on_train_end``, so that callbacks that read or save the model (``ModelCheckpoint``,
-    ``EarlyStopping(restore_best_weights=True)``) see the trained weights; weights a callback
-    sets on the model are not read back into the form's working copies (those written at
-    ``on_train_end`` stay)."""
-    checks.positive_int("epochs", epochs)
-    for name, value in (("sample_weight", sample_weight), ("class_weight", class_weight)):
-        if value is not None:
-            raise ValueError(f"{name} is not supported by the accel forms: every example "
-                             "weighs the same in their loss. Weight the examples in the loss "
-                             "function instead (a loss of (y_true, y_pred) that multiplies by "
-                             "weights carried in y_true), or repeat the examples to weigh")
-    if isinstance(x, tf.data.Dataset):
-        if y is not None:
-            raise ValueError("with a tf.data.Dataset, give y inside it, not as y=")
-        batches = x
-        steps = int(x.cardinality()) if int(x.cardinality()) > 0 else None
-    else:
-        checks.positive_int("batch_size", batch_size)
-        n = len(x)
-        if y is None or len(y) != n:
-            raise ValueError(f"y must hold one label per example of x ({n})")
-        if n % batch_size or batch_size % divisor:
-            raise ValueError(f"{n} examples in batches of {batch_size}: batch_size must divide "
-                             f"the examples and be a multiple of {divisor}")
-        steps = n // batch_size
-        batches = [(x[k * batch_size:(k + 1) * batch_size], y[k * batch_size:(k + 1) * batch_size])
-                   for k in range(steps)]
-    if model is None:  # callbacks need a model to tell them to stop; History sets .history
-        import types
-
-        model = types.SimpleNamespace(stop_training=False)
-    sync = sync or (lambda: None)
-    hooks = keras.callbacks.CallbackList(list(callbacks or []), add_history=True,
-                                         add_progbar=bool(verbose), model=model,
-                                         verbose=verbose, epochs=epochs, steps=steps)
-    model.stop_training = False
-    hooks.on_train_begin()
-    for epoch in range(epochs):
-        hooks.on_epoch_begin(epoch)
-        losses = []
-        for k, (xb, yb) in enumerate(batches):
-            hooks.on_train_batch_begin(k)
-            losses.append(float(step(xb, yb)))
-            hooks.on_train_batch_end(k, {"loss": losses[-1]})
-            if model.stop_training:
-                break
-        sync()
-        hooks.on_epoch_end(epoch, {"loss": float(sum(losses) / len(losses))})
-        if model.stop_training:
-            break
-    sync()
-    hooks.on_train_end()
-    return next(c for c in hooks.callbacks if isinstance(c, keras.callbacks.History))
 
 
 def call_layers(layers: Sequence, x, training: bool = True):

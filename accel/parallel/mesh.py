@@ -25,7 +25,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from accel import checks
-from accel.placement import placement_of
+from accel.placement import placement_of, short_device
 
 __all__ = ["make_mesh", "layout", "put", "fetch", "variables", "communication", "Collective",
            "collectives_in"]
@@ -113,8 +113,6 @@ def collectives_in(fn, *args) -> list[Collective]:
     output of its first input, shape from the graph's ``_output_shapes`` (``ValueError`` where
     it is not known). The bytes are what each device contributes; what a link carries depends
     on the collective's algorithm (a ring all-reduce sends ``2 (n - 1) / n`` of it)."""
-    from accel.placement import short_device
-
     ran = placement_of(fn, *args)
     out = []
     for graph in ran.graphs:

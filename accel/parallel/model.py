@@ -45,6 +45,7 @@ from accel.collectives import all_reduce
 from accel.devices import parse_device
 from accel.parallel import keras_model as km
 from accel.parallel.data import average_gradients, split_batch
+from accel.parallel.form import Form, device_list
 from accel.parallel.layers import LayerSpec, describe_layers, run_layers
 from accel.parallel.partition import balance_by_cost, balance_by_count, check_balance, part_ranges
 from accel.training import make_update
@@ -293,7 +294,7 @@ def _mean_over_replicas(grads: list, devices: list[str]) -> list:
     return out
 
 
-class ModelParallel:
+class ModelParallel(Form):
     """A Keras ``Sequential`` split over devices (model parallelism), optionally replicated
     (hybrid: data x model parallelism).
 
@@ -312,28 +313,30 @@ class ModelParallel:
     BatchNormalization) keep it per replica: each normalises its own share and updates its own
     moving statistics; ``write_back`` takes replica 0's.
 
-    * ``train_step(x, y) -> loss``: one step as a ``tf.function`` (the user's model untouched);
+    * ``train_step(x, y)``: one step as a ``tf.function`` (the user's model untouched);
     * ``gradients(x, y) -> (loss, gradients)``: replica 0's (all-reduced) gradients, in the
       order of its variables, without applying them;
-    * ``fit(x, y, batch_size, epochs)``: Keras-style, then ``write_back()``.
+    * ``fit``, ``write_back``: ``accel.parallel.form.Form``'s (with replicas, batches a
+      multiple of their number).
     """
+
+    name = "model"
+    options = ("balance", "replicas")
 
     def __init__(self, model, devices: Sequence[str] | None = None, *, loss, optimizer,
                  balance="count", replicas: Sequence[Sequence[str]] | None = None):
         if (devices is None) == (replicas is None):
             raise ValueError("give devices (one per part) or replicas (one device list per "
                              "replica), not both")
-        reps = [list(devices)] if replicas is None else [list(r) for r in replicas]
-        if not reps or not reps[0]:
-            raise ValueError("devices is empty: give one device name per part")
+        if replicas is None:
+            reps = [device_list(devices)]
+        else:
+            if isinstance(replicas, str) or not replicas:
+                raise ValueError(f"replicas must be a list of device lists, got {replicas!r}")
+            reps = [device_list(r, f"replica {i}'s devices") for i, r in enumerate(replicas)]
         num_parts = len(reps[0])
         self.replicas = _check_replicas(reps, num_parts)
-        for devs in self.replicas:
-            if len(set(devs)) != len(devs):
-                raise ValueError(f"a replica's devices {devs} repeat a device")
-        if len({d for devs in self.replicas for d in devs}) != num_parts * len(self.replicas):
-            raise ValueError(f"replicas {self.replicas} share a device: give every replica its "
-                             "own devices")
+        device_list([d for devs in self.replicas for d in devs], "the replicas' devices")
         self.model = model
         self.layers = km.sequential_layers(model)
         self.balance = km.balance_layers(self.layers, num_parts, balance)
@@ -344,13 +347,13 @@ class ModelParallel:
             parts, copies = km.copy_parts(self.layers, self.balance, devs, shape)
             self.parts = parts
             self.copies.append(copies)
-            self.optimizers.append(km.fresh_optimizer(optimizer))
+            self.optimizers.append(self.make_optimizer(optimizer))
         for r, opt in enumerate(self.optimizers):
             # built eagerly: each slot then sits beside its variable (built inside the step's
             # tf.function, Keras would put them all on one device)
             opt.build(self.variables(r))
         self._compute = self._make_compute()
-        self._step = tf.function(self._apply)
+        self._apply_step = tf.function(self._apply)
         self._grads = tf.function(self._compute)
 
     def variables(self, replica: int = 0, part: int | None = None) -> list:
@@ -425,9 +428,11 @@ class ModelParallel:
             optimizer.apply_gradients(zip(grads[r], self.variables(r), strict=True))
         return loss
 
-    def train_step(self, x, y) -> float:
-        """One step on the batch ``(x, y)`` (split over the replicas); returns the mean loss."""
-        return float(self._step(tf.convert_to_tensor(x), tf.convert_to_tensor(y)))
+    def _step(self, x, y):
+        return self._apply_step(x, y)
+
+    def batch_parts(self) -> int:
+        return len(self.replicas)
 
     def gradients(self, x, y) -> tuple[float, list]:
         """``(loss, replica 0's gradients)`` for the batch, nothing applied: state that the
@@ -445,13 +450,8 @@ class ModelParallel:
         for part, copies in zip(self.parts, self.copies[0], strict=True):
             km.write_back(part, copies)
 
-    def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
-            verbose: int = 1, callbacks=None, sample_weight=None, class_weight=None):
-        """Keras-style training in order, with Keras callbacks
-        (``accel.parallel.keras_model.fit_loop``; with replicas, ``batch_size`` a multiple of
-        their number); ``write_back()`` at each epoch's end; returns a
-        ``keras.callbacks.History``."""
-        return km.fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
-                        divisor=len(self.replicas), callbacks=callbacks, model=self.model,
-                        sync=self.write_back,
-                        sample_weight=sample_weight, class_weight=class_weight)
+    def working_variables(self) -> list:
+        return [w for copies in self.copies for part in copies for c in part for w in c.weights]
+
+    def optimizer_variables(self) -> list:
+        return [v for opt in self.optimizers for v in opt.variables]

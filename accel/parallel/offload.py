@@ -22,7 +22,9 @@ import tensorflow as tf
 from accel import checks
 from accel.collectives import check_devices
 from accel.devices import parse_device
-from accel.parallel.zero import KerasReplicas, adam_apply
+from accel.parallel.form import device_list
+from accel.parallel.replicas import KerasReplicas
+from accel.parallel.zero import adam_apply
 
 __all__ = ["OffloadStep", "Offload"]
 
@@ -96,14 +98,17 @@ class Offload(KerasReplicas):
     accumulated gradients to the host, the host sums them, updates, and sends the new weights
     back to every device.
 
-    Optimizers: those of ``accel.parallel.zero.keras_optimizer_factory`` (the same checks,
+    Optimizers: those of ``accel.parallel.form.keras_optimizer_factory`` (the same checks,
     though offload alone would not need per-element updates). ``write_back()`` (and the end of
     ``fit``) puts the host's master weights and ``devices[0]``'s BatchNorm statistics into the
-    user's model; BatchNorm is per device (``accel.parallel.zero.KerasReplicas``).
+    user's model; BatchNorm is per device (``accel.parallel.replicas.KerasReplicas``).
     """
 
+    name = "offload"
+    options = ("host", "accumulation_steps", "exclude_from_weight_decay", "run_eagerly")
+
     def __init__(self, model, devices: Sequence[str], *, host: str, loss, optimizer,
-                 accumulation_steps: int = 1,
+                 accumulation_steps: int | None = None,
                  exclude_from_weight_decay: Sequence[str] | None = None,
                  run_eagerly: bool = False):
         super().__init__(model, devices, loss=loss, optimizer=optimizer,
@@ -111,7 +116,7 @@ class Offload(KerasReplicas):
                          exclude_from_weight_decay=exclude_from_weight_decay,
                          run_eagerly=run_eagerly)
         try:
-            check_devices([*self.devices, host])
+            device_list([*self.devices, host])
         except ValueError as exc:
             raise ValueError(f"host {host!r} must not be one of the devices {self.devices}"
                              ) from exc

@@ -36,6 +36,8 @@ import tensorflow as tf
 from accel import checks
 from accel.devices import parse_device
 from accel.parallel import keras_model as km
+from accel.parallel import partition
+from accel.parallel.form import Form, device_list
 from accel.parallel.pipeline import (
     Task,
     device_orders,
@@ -95,8 +97,6 @@ def layer_stages(layers: Sequence, balance: Sequence[int], devices: Sequence[str
     ``balance`` (layers per stage, ``accel.parallel.partition``), stage ``s`` on
     ``devices[s]`` with its layers' variables created there. (A Keras ``Sequential``:
     ``Pipeline``.)"""
-    from accel.parallel import partition
-
     layers = list(layers)
     ranges = partition.part_ranges(partition.check_balance(balance, len(layers)))
     if len(ranges) > len(devices):
@@ -329,7 +329,7 @@ def measured_idle_fractions(run: PipelineRun) -> list[float]:
     return interval_idle_fractions(run.log)
 
 
-class Pipeline:
+class Pipeline(Form):
     """A Keras ``Sequential`` trained as a pipeline: GPipe, 1F1B or interleaved 1F1B.
 
     ``Pipeline(model, devices, loss=..., optimizer=..., num_microbatches=m)`` cuts the model's
@@ -340,13 +340,12 @@ class Pipeline:
     (``accel.parallel.keras_model``); one Keras optimizer, copied from ``optimizer``'s config,
     updates all stages once per batch, its slots next to their variables.
 
-    * ``train_step(x, y) -> PipelineRun``: one batch, split into ``m`` micro-batches, run in the
+    * ``run_step(x, y) -> PipelineRun``: one batch, split into ``m`` micro-batches, run in the
       order of ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``: see
-      ``accel.parallel.pipeline``), then one update. The user's model is not touched.
-    * ``fit(x, y, batch_size, epochs)``: ``train_step`` over the data in order (no shuffling),
-      a Keras progress bar, a ``keras.callbacks.History`` of each epoch's mean loss; at the
-      end the trained weights are written into the user's model (``write_back``).
-    * ``write_back()``: the stages' weights into the user's model now.
+      ``accel.parallel.pipeline``), then one update; the run (loss, gradients, each device's
+      log of tasks) is also kept as ``last_run``. The user's model is not touched.
+    * ``train_step``, ``fit`` (Keras's habits; batches a multiple of ``num_microbatches``) and
+      ``write_back``: ``accel.parallel.form.Form``'s.
 
     Not under ``model.fit``: the stages run in one Python thread per device, each task an
     eager call of its stage's layers, so that devices overlap as the schedule says; Keras's
@@ -359,17 +358,15 @@ class Pipeline:
     training on batches of the micro-batch size, not on the whole batch.
     """
 
+    name = "pipeline"
+    options = ("num_microbatches", "schedule", "num_chunks", "balance", "recompute")
+
     def __init__(self, model, devices: Sequence[str], *, loss, optimizer,
                  num_microbatches: int, schedule: str = "1f1b", num_chunks: int = 1,
                  balance="count", recompute: bool = False):
         self.model = model
         self.layers = km.sequential_layers(model)
-        self.devices = [parse_device(d).to_string() for d in devices]
-        if not self.devices:
-            raise ValueError("devices is empty: give one device name per pipeline device")
-        if len(set(self.devices)) != len(self.devices):
-            raise ValueError(f"devices {list(devices)} repeat a device: give each once "
-                             "(num_chunks puts several stages on one device)")
+        self.devices = device_list(devices)  # num_chunks puts several stages on one device
         self.num_microbatches = checks.positive_int("num_microbatches", num_microbatches)
         self.num_chunks = checks.positive_int("num_chunks", num_chunks)
         p = len(self.devices)
@@ -381,7 +378,8 @@ class Pipeline:
                              "BatchNormalization): the forward run again would update it twice")
         self.recompute = recompute
         self.loss_fn = km.loss_function(loss)
-        self.optimizer = km.fresh_optimizer(optimizer)
+        self.optimizer = self.make_optimizer(optimizer)
+        self.last_run: PipelineRun | None = None
         stage_devices_ = [self.devices[s % p] for s in range(p * self.num_chunks)]
         self.parts, self.copies = km.copy_parts(self.layers, self.balance, stage_devices_,
                                                 km.input_shape_of(model))
@@ -389,29 +387,30 @@ class Pipeline:
                              [w for c in copies for w in c.trainable_weights], device,
                              adds_losses=True)
                        for copies, device in zip(self.copies, stage_devices_, strict=True)]
-        self._step = make_pipeline_step(self.stages, self.loss_fn, self.optimizer, self.schedule,
-                                        self.num_microbatches, recompute)
+        self._pipeline_step = make_pipeline_step(self.stages, self.loss_fn, self.optimizer,
+                                                 self.schedule, self.num_microbatches, recompute)
 
-    def train_step(self, x, y) -> PipelineRun:
-        """One batch through the pipeline and one update (the user's model is not touched)."""
-        return self._step(tf.convert_to_tensor(x), tf.convert_to_tensor(y))
+    def run_step(self, x, y) -> PipelineRun:
+        """One batch through the pipeline and one update (the user's model is not touched);
+        the run, also kept as ``last_run``."""
+        self.last_run = self._pipeline_step(tf.convert_to_tensor(x), tf.convert_to_tensor(y))
+        return self.last_run
+
+    def _step(self, x, y):
+        return self.run_step(x, y).loss
+
+    def batch_parts(self) -> int:
+        return self.num_microbatches
 
     def write_back(self) -> None:
-        """The stages' weights (trainable and not) into the user's model."""
         for part, copies in zip(self.parts, self.copies, strict=True):
             km.write_back(part, copies)
 
-    def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1,
-            verbose: int = 1, callbacks=None, sample_weight=None, class_weight=None):
-        """Train on ``x, y`` (arrays, in order, ``batch_size`` a multiple of
-        ``num_microbatches`` that divides the data) or on a ``tf.data.Dataset`` of ``(x, y)``
-        batches; a progress bar per epoch (``verbose=0``: none) and Keras ``callbacks``. Returns
-        a ``keras.callbacks.History`` (``history.history["loss"]``: each epoch's mean loss);
-        the trained weights are written into the user's model at each epoch's end."""
-        return km.fit_loop(lambda xb, yb: self.train_step(xb, yb).loss, x, y, batch_size,
-                        epochs, verbose, divisor=self.num_microbatches, callbacks=callbacks,
-                        model=self.model, sync=self.write_back,
-                        sample_weight=sample_weight, class_weight=class_weight)
+    def working_variables(self) -> list:
+        return [w for copies in self.copies for c in copies for w in c.weights]
+
+    def optimizer_variables(self) -> list:
+        return list(self.optimizer.variables)
 
 
 def _keras_stage_fn(copies: list) -> Callable:

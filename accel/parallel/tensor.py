@@ -13,6 +13,7 @@ layouts) into a Keras model you compile and ``fit``, then ``write_back()``.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -22,6 +23,8 @@ import tensorflow as tf
 
 from accel import checks
 from accel.collectives import on_device
+from accel.parallel import keras_model as km
+from accel.parallel.form import Form, device_list, keras_optimizer_factory
 
 __all__ = ["ColumnParallelDense", "RowParallelDense", "HeadParallelAttention", "TensorParallel"]
 
@@ -39,7 +42,7 @@ class _ShardedDense(keras.layers.Layer):
                  use_bias: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.units = checks.positive_int("units", units)
-        self.devices = _device_names(devices)
+        self.devices = device_list(devices)
         self.activation = keras.activations.get(activation)
         self.use_bias = use_bias
 
@@ -197,7 +200,7 @@ class HeadParallelAttention(keras.layers.Layer):
         super().__init__(**kwargs)
         self.num_heads = checks.positive_int("num_heads", num_heads)
         self.key_dim = checks.positive_int("key_dim", key_dim)
-        self.devices = _device_names(devices)
+        self.devices = device_list(devices)
         self.heads_per_device = _split_sizes(self.num_heads, len(self.devices), "num_heads")
         self.use_bias = use_bias
 
@@ -363,7 +366,7 @@ def _parallel_layer(layer, kind: str, devices: Sequence[str], gather_output: boo
     return RowParallelDense(**common)
 
 
-class TensorParallel:
+class TensorParallel(Form):
     """A Keras ``Sequential``'s layers converted to tensor-parallel ones by rules, in the spirit
     of Keras 3's ``LayoutMap``: ``rules`` maps a regular expression to a kind, ``"column"`` or
     ``"row"`` for a ``Dense`` (``ColumnParallelDense`` / ``RowParallelDense``) and ``"heads"`` for
@@ -392,22 +395,27 @@ class TensorParallel:
     the column output elsewhere) the column layer gathers its output. ``handoffs`` lists the
     (column path, row path) pairs that hand over.
 
-    ``tp = TensorParallel(model, devices, {"attn$": "heads", "/up$": "column", "/down$": "row"})``;
-    ``tp.model`` is a Keras model holding the same weights, sharded: ``tp.compile(optimizer,
-    loss)`` (Keras's ``compile`` with ``jit_compile=False``, since XLA would compile every
-    device's ops into one cluster and drop their placement, and the optimizer's slots built
-    beside their variables), then ``tp.model.fit(...)`` with its progress bar, ``History`` and
-    callbacks; ``tp.write_back()`` puts the trained weights into ``model`` (full kernels gathered
-    from the shards). ``kinds`` maps each converted path to its kind, ``parallel_layers`` each
-    converted path to its parallel layer, ``layers`` are ``tp.model``'s layers."""
+    ``tp = TensorParallel(model, devices, {"attn$": "heads", "/up$": "column", "/down$": "row"},
+    loss=..., optimizer=...)``; ``tp.model`` is a Keras model holding the same weights, sharded,
+    compiled by Keras's ``compile`` with ``jit_compile=False`` (XLA would compile every
+    device's ops into one cluster and drop their placement) and a copy of ``optimizer`` built
+    beside the shards (``compile(optimizer, loss)`` does it later, if they are left out). Then
+    ``tp.fit(...)`` (``accel.parallel.form.Form``'s, Keras's habits, each batch one
+    ``train_on_batch`` of ``tp.model``; ``tp.model.fit`` works as well) and ``tp.write_back()``
+    puts the trained weights into ``model`` (full kernels gathered from the shards). ``kinds``
+    maps each converted path to its kind, ``parallel_layers`` each converted path to its
+    parallel layer, ``layers`` are ``tp.model``'s layers."""
 
-    def __init__(self, model, devices: Sequence[str], rules: Mapping[str, str]):
-        import re
+    name = "tensor"
+    options = ("rules",)
 
-        from accel.parallel import keras_model as km
-
+    def __init__(self, model, devices: Sequence[str], rules: Mapping[str, str], *,
+                 loss=None, optimizer=None):
+        if (loss is None) != (optimizer is None):
+            raise ValueError("give both loss and optimizer (or neither, and call compile)")
+        self.original_model = model
         layers = km.sequential_layers(model)
-        self.devices = _device_names(devices)
+        self.devices = device_list(devices)
         compiled = []
         for pattern, kind in rules.items():
             checks.one_of(f"rules[{pattern!r}]", kind, tuple(_KINDS))
@@ -468,6 +476,8 @@ class TensorParallel:
             self.model = keras.Sequential([keras.Input(km.input_shape_of(model), dtype=dtype),
                                            *new])
         self.layers = new
+        if loss is not None:
+            self.compile(optimizer, loss)
 
     def _convert(self, layer, x, handoff: bool, feeds_row: bool = False):
         """``(copy, leaves, handoffs)``: ``layer``'s copy, built on ``x`` and holding its weights,
@@ -521,46 +531,43 @@ class TensorParallel:
                 handoffs.append((sub, nxt))
 
     def compile(self, optimizer, loss, **kwargs) -> None:
-        """``self.model.compile`` with ``jit_compile=False``, the optimizer built first, here,
-        so that each slot sits beside its variable (built inside ``fit``'s function, Keras
-        would put every slot on one device).
+        """``self.model.compile`` with ``jit_compile=False`` and a copy of ``optimizer`` (the
+        user's is never bound to the shards), built first, here, so that each slot sits beside
+        its variable (built inside ``fit``'s function, Keras would put every slot on one
+        device).
 
-        The optimizer sees the shards as variables: its update must be per element (SGD, Adam,
-        AdamW, RMSprop, Adagrad; ``global_clipnorm`` is fine, the norm over all shards being the
-        norm over all kernels). ``clipnorm`` (each variable clipped by its own norm) and
-        optimizers that use a whole variable's norm or shape (Lamb, Adafactor, Muon) would see
-        a shard instead: ``ValueError``."""
-        from accel.parallel import keras_model as km
-        from accel.parallel.zero import SHARDABLE_OPTIMIZERS
-
+        The optimizer sees the shards as variables: the per-element rule of the sharded forms
+        applies (``accel.parallel.form.keras_optimizer_factory``: SGD, Adam, AdamW, RMSprop,
+        Adagrad; ``global_clipnorm`` is fine, the norm over all shards being the norm over all
+        kernels; ``clipnorm``, whole-variable optimizers and loss scaling: ``ValueError``)."""
         if kwargs.get("jit_compile"):
             raise ValueError("jit_compile=True: XLA would compile every device's ops into one "
                              "cluster and drop their placement; leave it False")
-        optimizer = km.fresh_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
-        cls = type(optimizer)
-        if cls.__name__ not in SHARDABLE_OPTIMIZERS or cls is not getattr(keras.optimizers,
-                                                                          cls.__name__, None):
-            raise ValueError(f"optimizer {cls.__name__} would update each shard as a whole "
-                             f"variable; tensor parallelism supports {list(SHARDABLE_OPTIMIZERS)}")
-        if optimizer.clipnorm:
-            raise ValueError(f"clipnorm={optimizer.clipnorm} clips each variable by its own norm, "
-                             "which a shard does not know; use global_clipnorm")
+        keras_optimizer_factory(optimizer)  # the per-element rule; raises what it refuses
+        optimizer = self.make_optimizer(optimizer)
         optimizer.build(self.model.trainable_variables)
         self.model.compile(optimizer=optimizer, loss=loss, jit_compile=False, **kwargs)
+
+    def _step(self, x, y):
+        if self.model.optimizer is None:
+            raise ValueError("the tensor-parallel model is not compiled: give loss= and "
+                             "optimizer=, or call compile(optimizer, loss)")
+        self.model.reset_metrics()  # the batch's own loss, not a running mean
+        return self.model.train_on_batch(x, y, return_dict=True)["loss"]
 
     def write_back(self) -> None:
         """The trained weights into the original model (shards gathered into full kernels)."""
         for layer, copy, leaves in zip(self.original, self.layers, self._leaves, strict=True):
             _transfer(layer, copy, leaves, to_copy=False)
 
+    def user_model(self):
+        return self.original_model
 
-def _device_names(devices: Sequence[str]) -> list[str]:
-    from accel.devices import parse_device
+    def working_variables(self) -> list:
+        return list(self.model.weights)
 
-    names = [parse_device(d).to_string() for d in devices]
-    if len(names) < 1 or len(set(names)) != len(names):
-        raise ValueError(f"devices must name one or more distinct devices, got {devices!r}")
-    return names
+    def optimizer_variables(self) -> list:
+        return [] if self.model.optimizer is None else list(self.model.optimizer.variables)
 
 
 def _build_like(parallel, layer) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from accel.devices import normalize_device
 from accel.placement import Transfer, placement_of
 from accel.profile import step_intervals
 
@@ -90,8 +91,6 @@ def busy_intervals(run_metadata, devices: Sequence[str] | None = None,
     out = {d: [((a - t0) / 1e3, (b - t0) / 1e3) for a, b in _merge(v)] for d, v in spans.items()}
     if devices is None:
         return dict(sorted(out.items()))
-    from accel.devices import normalize_device
-
     by_norm = {normalize_device(d): d for d in out}
     return {d: out.get(by_norm.get(normalize_device(d), ""), []) for d in devices}
 

@@ -25,12 +25,12 @@ lr sqrt(1 - beta2^t) / (1 - beta1^t)``, ``w -= alpha m / (sqrt(v) + epsilon)``.
 
 ``Zero(model, devices, loss=..., optimizer=..., stage=...)`` is the same idea for a Keras model
 and a Keras optimizer (one sharded optimizer per device, each variable flattened and padded on
-its own); ``keras_optimizer_factory`` says which optimizers it takes and why.
+its own); ``accel.parallel.form.keras_optimizer_factory`` says which optimizers it takes and
+why.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 
 import keras
@@ -46,11 +46,10 @@ from accel.collectives import (
     on_device,
     reduce_scatter,
 )
-from accel.devices import parse_device
 from accel.parallel import keras_model as km
+from accel.parallel.replicas import KerasReplicas
 
-__all__ = ["STAGES", "ZeroStep", "flatten_layers", "unflatten_layer", "adam_apply",
-           "SHARDABLE_OPTIMIZERS", "keras_optimizer_factory", "KerasReplicas", "Zero"]
+__all__ = ["STAGES", "ZeroStep", "flatten_layers", "unflatten_layer", "adam_apply", "Zero"]
 
 STAGES = (0, 1, 2, 3)
 
@@ -279,306 +278,10 @@ class ZeroStep:
 
 # -- the same for a Keras model and a Keras optimizer ----------------------------------------
 
-SHARDABLE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad")
-_REFUSED_OPTIONS = {
-    "clipnorm": "it clips each variable by its own norm, which a slice of it does not know; "
-                "global_clipnorm is supported",
-    "use_ema": "a moving average of the weights is not kept by the sharded forms",
-    "gradient_accumulation_steps": "give the form accumulation_steps= instead",
-    "loss_scale_factor": "loss scaling is not supported by the sharded forms",
-}
-
-
-def keras_optimizer_factory(optimizer, exclude_from_weight_decay: Sequence[str] | None = None):
-    """``(make, global_clipnorm)``: ``make()`` returns a new Keras optimizer with ``optimizer``'s
-    configuration (an object or a name such as ``"adam"``), to be built on one device's
-    variables; ``global_clipnorm`` is the clipping the form applies itself (``None``: none).
-
-    A Keras optimizer applied to a flat slice of a variable equals the same optimizer applied to
-    the whole variable only when its update is per element. Read from Keras 3's source
-    (``keras/src/optimizers``): ``SGD`` (momentum, Nesterov), ``Adam`` and ``AdamW`` (amsgrad
-    too), ``RMSprop`` (momentum, centered) and ``Adagrad`` update each element from that
-    element's gradient and slots, with scalars (learning rate, step count) shared; padding
-    elements (gradient 0) stay 0. ``clipvalue`` clips per element. ``weight_decay``
-    (``w -= w * wd * lr``, AdamW's and any optimizer's) is per element; Keras applies it per
-    variable by name, so every slice carries its variable's name and the variables whose names
-    match a pattern of ``exclude_from_weight_decay`` (as Keras's ``var_names``) are not decayed
-    (exclusions set on the user's optimizer object are not part of its config and are not
-    carried). ``global_clipnorm``: the form all-reduces the squared norms of the slices and
-    scales every slice as Keras does. Refused with a ``ValueError``: other classes (Lamb and
-    Adafactor use per-variable norms or factored statistics, Muon orthogonalises whole matrices;
-    Lion, Nadam, Adamax, Ftrl... are not verified here) and the options ``clipnorm``,
-    ``use_ema``, ``gradient_accumulation_steps`` and ``loss_scale_factor``."""
-    from accel.parallel.keras_model import fresh_optimizer
-
-    opt = fresh_optimizer(optimizer)
-    cls = type(opt)
-    if isinstance(opt, keras.optimizers.LossScaleOptimizer):
-        raise ValueError("LossScaleOptimizer is not supported by the sharded forms (Zero, "
-                         "Offload, Accumulating): each device would judge the scaled gradients "
-                         "finite from its own slice. Train float16 with the towers, split, "
-                         "hybrid or pipeline forms, or use the 'mixed_bfloat16' policy, which "
-                         "needs no loss scaling")
-    if cls.__name__ not in SHARDABLE_OPTIMIZERS or cls is not getattr(keras.optimizers,
-                                                                      cls.__name__):
-        raise ValueError(f"optimizer {cls.__name__} is not supported by the sharded forms: the "
-                         f"update must be per element; supported: {list(SHARDABLE_OPTIMIZERS)}")
-    config = opt.get_config()
-    for option, why in _REFUSED_OPTIONS.items():
-        if config.get(option):
-            raise ValueError(f"optimizer option {option}={config[option]!r} is not supported "
-                             f"by the sharded forms: {why}")
-    clip = config.pop("global_clipnorm", None)
-    config["global_clipnorm"] = None
-    patterns = list(exclude_from_weight_decay or [])
-    if not all(isinstance(p, str) for p in patterns):
-        raise ValueError(f"exclude_from_weight_decay must be a list of name patterns (str), got "
-                         f"{exclude_from_weight_decay!r}")
-
-    def make():
-        made = cls.from_config(config)
-        if patterns:
-            made.exclude_from_weight_decay(var_names=patterns)
-        return made
-
-    return make, clip
-
-
 def _padded(t, n: int):
     """``t`` flattened and zero-padded to a multiple of ``n``."""
     flat = tf.reshape(t, [-1])
     return tf.pad(flat, [[0, -int(flat.shape[0]) % n]])
-
-
-def _nbytes(variables) -> int:
-    return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
-
-
-def _unique(variables) -> list:
-    seen, out = set(), []
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            out.append(v)
-    return out
-
-
-def _takes_training(layer) -> bool:
-    params = inspect.signature(layer.call).parameters
-    return "training" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-class KerasReplicas:
-    """What ``Zero``, ``accel.parallel.offload.Offload`` and
-    ``accel.parallel.accumulate.Accumulating`` share: a Keras model run on several devices,
-    each device running it on its shard of the batch from weights it holds or gathers, with
-    Keras's public ``layer.stateless_call`` (layer after layer of a ``Sequential``, or the whole
-    model), so no working copy of the model is built.
-
-    * The batch splits into one shard per device (in order), each shard into
-      ``accumulation_steps`` micro-batches run one after the other, their gradients added into
-      a buffer (``grads``), then ONE update: the step equals one step on the whole batch for a
-      loss that is a mean over examples (and layers that do not mix examples).
-    * BatchNormalization: each device normalises its own micro-batch and keeps its own moving
-      statistics, updated from its micro-batches in order; ``write_back`` writes the first
-      device's (``devices[0]``: the statistics of the first shard). So the one-device reference
-      is the loss averaged over the micro-batches each run separately.
-    * ``train_step(x, y) -> loss``; ``fit(x, y, batch_size, epochs, verbose)`` (Keras-style,
-      ``batch_size`` a multiple of ``len(devices) * accumulation_steps``), then ``write_back()``;
-      ``held_variables()`` and ``held_bytes()``: what each device keeps between steps.
-    * Training loss: the compiled loss plus the terms the model adds (``model.losses``),
-      each device and micro-batch its share, as ``fit`` under a strategy. Gradients go through
-      flat buffers, so an ``Embedding``'s sparse gradient is made dense: the optimizer updates
-      as Keras's fed that dense gradient (for Adam not ``fit``'s sparse update when a token
-      repeats in a batch). ``LossScaleOptimizer`` is refused; ``mixed_bfloat16`` works.
-    * ``run_eagerly=True``: the step runs op by op (no tracing: cheaper for a few steps of
-      a model whose tracing is slow, such as attention); else one ``tf.function``.
-    """
-
-    def __init__(self, model, devices: Sequence[str], *, loss, optimizer,
-                 accumulation_steps: int = 1,
-                 exclude_from_weight_decay: Sequence[str] | None = None,
-                 run_eagerly: bool = False):
-        from accel.parallel import keras_model as km
-
-        self.devices = check_devices([parse_device(d).to_string() for d in devices])
-        self.n = len(self.devices)
-        self.accumulation_steps = checks.positive_int("accumulation_steps", accumulation_steps)
-        if not isinstance(model, keras.Model) or not model.built or not model.trainable_variables:
-            raise ValueError("model must be a built keras.Model with trainable weights: start "
-                             "it with keras.Input(shape) or call it once on a batch")
-        self.model = model
-        self.loss_fn = km.loss_function(loss)
-        self._make_optimizer, self.global_clipnorm = keras_optimizer_factory(
-            optimizer, exclude_from_weight_decay)
-        self.units = km.sequential_layers(model) if isinstance(model, keras.Sequential) \
-            else [model]
-        self._weights = _unique(v for u in self.units for v in u.trainable_variables)
-        self._states = _unique(v for u in self.units for v in u.non_trainable_variables)
-        where = {id(v): j for j, v in enumerate(self._weights)}
-        self._tidx = [[where[id(v)] for v in u.trainable_variables] for u in self.units]
-        where = {id(v): j for j, v in enumerate(self._states)}
-        self._nidx = [[where[id(v)] for v in u.non_trainable_variables] for u in self.units]
-        self._training = [_takes_training(u) for u in self.units]
-        self._state_vars = [self._variables(d, self._states) for d in self.devices]
-        self._grads: list[list[tf.Variable]] = []
-        self._step = self._run if run_eagerly else tf.function(self._run, autograph=False)
-
-    # -- variables -------------------------------------------------------------------------
-    @staticmethod
-    def _variables(device: str, like, values=None) -> list[tf.Variable]:
-        """New variables on ``device`` named as ``like`` (Keras variables), holding ``values``
-        (default: ``like``'s values)."""
-        values = [v.numpy() for v in like] if values is None else values
-        with tf.device(device):
-            return [tf.Variable(a, name=v.name, trainable=v.trainable)
-                    for v, a in zip(like, values, strict=True)]
-
-    def held_variables(self) -> dict[str, dict[str, list]]:
-        """Device -> ``{"weights", "grads", "optimizer"}`` -> the variables it keeps between
-        steps (the optimizer's scalars, its step count and learning rate, left out)."""
-        raise NotImplementedError
-
-    def held_bytes(self) -> dict[str, dict[str, int]]:
-        """Device -> bytes of its ``weights``, ``grads`` and ``optimizer`` variables
-        (``held_variables``) and their ``total``."""
-        out = {}
-        for d, groups in self.held_variables().items():
-            row = {k: _nbytes(vs) for k, vs in groups.items()}
-            row["total"] = sum(row.values())
-            out[d] = row
-        return out
-
-    @staticmethod
-    def _slots(optimizer) -> list:
-        return [v for v in optimizer.variables if len(v.shape)]
-
-    # -- training ----------------------------------------------------------------------------
-    def train_step(self, x, y) -> float:
-        """One step on the batch ``(x, y)``; the batch's mean loss."""
-        parts = self.n * self.accumulation_steps
-        x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
-        if int(x.shape[0]) % parts or int(y.shape[0]) != int(x.shape[0]):
-            raise ValueError(f"a batch of {int(x.shape[0])} examples ({int(y.shape[0])} labels) "
-                             f"does not split into {self.n} devices x {self.accumulation_steps} "
-                             f"micro-batches: give a batch size that is a multiple of {parts}")
-        return float(self._step(tuple(tf.split(x, parts)), tuple(tf.split(y, parts))))
-
-    def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1, verbose: int = 1,
-            callbacks=None, sample_weight=None, class_weight=None):
-        """Keras-style training in order, with Keras callbacks
-        (``accel.parallel.keras_model.fit_loop``); ``write_back()`` at each epoch's end;
-        returns a ``keras.callbacks.History``."""
-        from accel.parallel.keras_model import fit_loop
-
-        return fit_loop(self.train_step, x, y, batch_size, epochs, verbose,
-                        divisor=self.n * self.accumulation_steps, callbacks=callbacks,
-                        model=self.model, sync=self.write_back,
-                        sample_weight=sample_weight, class_weight=class_weight)
-
-    def write_back(self) -> None:
-        """The trained weights into the user's model: the full trainable weights, and the
-        non-trainable ones (BatchNorm's moving statistics) of ``devices[0]``."""
-        for v, value in zip(self._weights, self._trained_weights(), strict=True):
-            v.assign(value)
-        for v, s in zip(self._states, self._state_vars[0], strict=True):
-            v.assign(s.numpy())
-
-    def _trained_weights(self) -> list[np.ndarray]:
-        raise NotImplementedError
-
-    def _run(self, xs, ys):
-        k, n = self.accumulation_steps, self.n
-        for gs, d in zip(self._grads, self._grad_devices(), strict=True):
-            with tf.device(d):
-                for g in gs:
-                    g.assign(tf.zeros_like(g))
-        losses = []
-        for j in range(k):
-            losses += self._micro_step([xs[i * k + j] for i in range(n)],
-                                       [ys[i * k + j] for i in range(n)], 1.0 / (n * k))
-        self._apply()
-        with tf.device(self.devices[0]):
-            return tf.add_n(losses)
-
-    def _grad_devices(self) -> list[str]:
-        return self.devices
-
-    def _micro_step(self, xs, ys, scale) -> list:
-        raise NotImplementedError
-
-    def _apply(self) -> None:
-        raise NotImplementedError
-
-    # -- the model, layer after layer ----------------------------------------------------------
-    def _run_unit(self, u: int, h, values, states):
-        """``(output, new states, added losses)`` of unit ``u`` on ``h`` with its weights and
-        states taken from ``values`` and ``states``. What ``layer.stateless_call`` does, but
-        through ``layer.__call__``: Keras casts the inputs and (``dtype_policy`` mixed) the
-        weights to the compute dtype only there, so a mixed-precision model computes in
-        float16 / bfloat16 as under ``fit`` (``stateless_call`` runs ``call`` in float32)."""
-        unit = self.units[u]
-        kwargs = {"training": True} if self._training[u] else {}
-        mapping = list(zip(unit.trainable_variables, values, strict=True)) + list(
-            zip(unit.non_trainable_variables, states, strict=True))
-        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-            out = unit(h, **kwargs)
-            losses = list(unit.losses)
-        new = [scope.get_current_value(v) for v in unit.non_trainable_variables]
-        return out, new, losses
-
-    def _forward(self, x, values, states):
-        """``(prediction, new states, added losses)`` of the model on ``x`` with the full
-        weights ``values`` and the states ``states`` (lists aligned with the model's)."""
-        states, extra = list(states), []
-        for u in range(len(self.units)):
-            x, new, losses = self._run_unit(u, x, [values[j] for j in self._tidx[u]],
-                                            [states[j] for j in self._nidx[u]])
-            for j, s in zip(self._nidx[u], new, strict=True):
-                states[j] = s
-            extra += losses
-        return x, states, extra
-
-    def _loss(self, y, pred, extra, scale):
-        loss = tf.reduce_mean(self.loss_fn(y, pred))
-        for e in extra:  # regularizers and add_loss, as Keras's fit adds them
-            loss += tf.cast(e, loss.dtype)
-        return loss * scale
-
-    def _local_gradients(self, i: int, weights, x, y, scale):
-        """Device ``i``'s scaled loss on ``(x, y)`` and its gradients for ``weights`` (the
-        device's full weight variables); its states updated."""
-        with tf.device(self.devices[i]):
-            with tf.GradientTape() as tape:
-                pred, states, extra = self._forward(
-                    x, [w.read_value() for w in weights],
-                    [s.read_value() for s in self._state_vars[i]])
-                loss = self._loss(y, pred, extra, scale)
-            grads = tape.gradient(loss, weights,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            for v, s in zip(self._state_vars[i], states, strict=True):
-                v.assign(s)
-        return loss, grads
-
-    def _clip(self, grads: list, devices: list[str], sliced: bool) -> list:
-        """Per device, its gradients scaled as Keras's ``global_clipnorm`` does (the squared
-        norm all-reduced over the devices when each holds a slice)."""
-        if not self.global_clipnorm:
-            return grads
-        clip = float(self.global_clipnorm)
-        squares = []
-        for gs, d in zip(grads, devices, strict=True):
-            with tf.device(d):
-                squares.append(tf.add_n([tf.reduce_sum(tf.square(g)) for g in gs]))
-        if sliced and len(devices) > 1:
-            squares = all_reduce(squares, devices)
-        out = []
-        for gs, s, d in zip(grads, squares, devices, strict=True):
-            with tf.device(d):
-                norm = tf.sqrt(s)
-                scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
-                out.append([g * scale for g in gs])
-        return out
 
 
 class Zero(KerasReplicas):
@@ -612,8 +315,11 @@ class Zero(KerasReplicas):
     gradients reach the slices as the layer's do.
     """
 
+    name = "zero"
+    options = ("stage", "accumulation_steps", "exclude_from_weight_decay", "run_eagerly")
+
     def __init__(self, model, devices: Sequence[str], *, loss, optimizer, stage: int = 1,
-                 accumulation_steps: int = 1,
+                 accumulation_steps: int | None = None,
                  exclude_from_weight_decay: Sequence[str] | None = None,
                  run_eagerly: bool = False):
         if stage not in STAGES or isinstance(stage, bool):

@@ -193,3 +193,44 @@ def test_towers_refuse_variables_on_another_task_than_the_variable_device():
 
     with pytest.raises(ValueError, match="not on the variable device '/job:worker/task:0"):
         make_tower_step(None, keras.losses.MeanSquaredError(), mlp(), 0.1, [W0, W1])
+
+
+# the rest of the registry's forms: the interleaved pipeline, a hybrid of two replicas, ZeRO
+# stages 1 and 3, offload to the client's own CPU, accumulation on one worker
+C0 = "/job:localhost/replica:0/task:0/device:CPU:0"
+MORE_RUNS = [
+    {"form": "pipeline", "devices": [W0, W1], "schedule": "interleaved", "num_chunks": 2,
+     "num_microbatches": 2},
+    {"form": "model", "replicas": [[W0], [W1]]},
+    {"form": "zero", "devices": [W0, W1], "stage": 1},
+    {"form": "zero", "devices": [W0, W1], "stage": 3},
+    {"form": "offload", "devices": [W0, W1], "host": C0},
+    {"form": "accumulate", "devices": [W0], "accumulation_steps": 2},
+]
+
+
+@pytest.mark.slow  # one client process on the shared cluster (seconds)
+def test_every_other_form_runs_across_processes(cluster):
+    """fit_on_cluster goes through accel.parallel.forms: every form of the registry trains on
+    the worker tasks and equals Keras's fit on one device (Adam; no BatchNorm, so replicas and
+    micro-batches change nothing); its working variables live where the run put them."""
+    model = mlp()
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(BATCH * STEPS, 6)), rng.normal(size=(BATCH * STEPS, 3))
+    results = KR.fit_on_cluster(cluster, model, x, y, MORE_RUNS, loss="mse",
+                                optimizer=OPTIMIZERS["adam"](), batch_size=BATCH,
+                                imports=[__file__])
+    ref_weights, ref_loss = keras_on_one_device(model, OPTIMIZERS["adam"](), x, y)
+    scale = max(np.abs(w).max() for w in ref_weights)
+    for run, res in zip(MORE_RUNS, results, strict=True):
+        what = f"{run['form']} {run.get('stage', run.get('schedule', ''))}"
+        np.testing.assert_allclose(res.losses, ref_loss, rtol=RTOL, err_msg=what)
+        for i, (a, b) in enumerate(zip(res.weights, ref_weights, strict=True)):
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=RTOL * scale,
+                                       err_msg=f"{what}: weight {i}")
+        tasks = {task_of(d) for _, d in res.variables}
+        want = {"/job:worker/task:0"} if run["form"] == "accumulate" else {
+            "/job:worker/task:0", "/job:worker/task:1"}
+        if run["form"] == "offload":  # the master weights on the client's CPU
+            want = want | {"/job:localhost/task:0"}
+        assert tasks == want, (what, res.variables)

@@ -55,7 +55,7 @@ def test_towers_and_mirrored_strategy(check):
         model = mlp()
         ref = keras_on_cpu(model, keras.optimizers.Adam(0.01))
         towers = DataParallel(model, names, loss="mse", optimizer=keras.optimizers.Adam(0.01))
-        towers.fit(x, y, batch_size=16, verbose=0)
+        towers.fit(x, y, batch_size=16, shuffle=False, verbose=0)
         same(model.get_weights(), ref, "towers")
         assert on_devices(towers.copy.weights) == {names[0]}
 
@@ -75,7 +75,7 @@ def test_model_parallel(check):
         model = mlp()
         ref = keras_on_cpu(model, keras.optimizers.Adam(0.01))
         split = ModelParallel(model, names, loss="mse", optimizer=keras.optimizers.Adam(0.01))
-        split.fit(x, y, batch_size=16, verbose=0)
+        split.fit(x, y, batch_size=16, shuffle=False, verbose=0)
         same(model.get_weights(), ref, "split")
         for p, device in enumerate(names):
             assert on_devices(split.variables(0, p)) == {device}
@@ -91,7 +91,7 @@ def test_pipeline(check, schedule, chunks):
         pipe = Pipeline(model, names, loss="mse",
                         optimizer=keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
                         num_microbatches=4, schedule={schedule!r}, num_chunks={chunks})
-        pipe.fit(x, y, batch_size=16, verbose=0)
+        pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
         same(model.get_weights(), ref, "pipeline {schedule}")
     """)
 
@@ -161,7 +161,7 @@ def test_zero_stages(check, stage):
         ref = keras_on_cpu(model, keras.optimizers.Adam(0.01))
         zero = Zero(model, names, loss=keras.losses.mean_squared_error,
                     optimizer=keras.optimizers.Adam(0.01), stage={stage})
-        zero.fit(x, y, batch_size=16, verbose=0)
+        zero.fit(x, y, batch_size=16, shuffle=False, verbose=0)
         same(model.get_weights(), ref, "ZeRO stage {stage}")
         assert set(zero.held_bytes()) == set(names)
     """)
@@ -176,7 +176,7 @@ def test_offload_to_the_host(run_on):
         ref = keras_on_cpu(model, keras.optimizers.Adam(0.01))
         off = Offload(model, devs, host=host, loss=keras.losses.mean_squared_error,
                       optimizer=keras.optimizers.Adam(0.01))
-        off.fit(x, y, batch_size=16, verbose=0)
+        off.fit(x, y, batch_size=16, shuffle=False, verbose=0)
         same(model.get_weights(), ref, "offload")
         slots = [v for v in off.optimizer.variables if len(v.shape)]
         assert on_devices(slots) == {host}, on_devices(slots)

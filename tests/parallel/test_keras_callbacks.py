@@ -1,7 +1,8 @@
-"""Keras callbacks in the forms that train outside ``model.fit`` (``keras_model.fit_loop``):
-the same callbacks see the same events, the same logs and the same weights at each epoch's end
-as under Keras's own ``fit`` of the same model on one device; ``stop_training`` stops both at
-the same batch; ``EarlyStopping(restore_best_weights=True)`` leaves its weights in the model."""
+"""Keras callbacks in the forms that train outside ``model.fit``
+(``accel.parallel.form.Form.fit``): the same callbacks see the same events, the same logs and
+the same weights at each epoch's end as under Keras's own ``fit`` of the same model on one
+device; ``stop_training`` stops both at the same batch; ``EarlyStopping(restore_best_weights=
+True)`` leaves its weights in the model."""
 
 import keras
 import numpy as np
@@ -68,8 +69,8 @@ def test_callbacks_see_what_they_see_under_keras_fit(four_devices, keras_zoo, na
 
     model = z.clone(base)
     got = Recorder(stop_at=(1, 1))
-    history = form(name, model, four_devices).fit(x, y, batch_size=16, epochs=3, verbose=0,
-                                                  callbacks=[got])
+    history = form(name, model, four_devices).fit(x, y, batch_size=16, epochs=3, shuffle=False,
+                                                  verbose=0, callbacks=[got])
     assert got.events == want.events
     assert got.events[-3:] == [("batch_end", 1, 1), ("epoch_end", 1), ("train_end",)]
     assert history.epoch == [0, 1] and model.history is history
@@ -96,7 +97,8 @@ def test_early_stopping_restores_its_best_weights(four_devices, keras_zoo):
     stop = keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=1,
                                          restore_best_weights=True)
     rec = Recorder()
-    history = towers.fit(x, y, batch_size=16, epochs=6, verbose=0, callbacks=[rec, stop])
+    history = towers.fit(x, y, batch_size=16, epochs=6, shuffle=False, verbose=0,
+                         callbacks=[rec, stop])
     assert history.epoch == [0, 1] and history.history["loss"][1] < history.history["loss"][0]
     assert stop.best_epoch == 0
     for a, b in zip(model.get_weights(), rec.weights[0], strict=True):

@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 from accel import placement
-from accel.parallel import keras_model as km
 from accel.parallel import tensor as tp
+from accel.placement import short_device
 
 RULES = {"^up": "column", "^down": "row"}
 SLOW = pytest.mark.slow  # make test, not make quick
@@ -53,8 +53,8 @@ def test_tensor_parallel_fit_equals_keras_on_one_device(four_devices, keras_zoo,
     # shard i's kernel and its optimizer slots on device i
     for layer in par.layers:
         for i, kernel in enumerate(layer.kernels):
-            assert km.short_device(kernel.value.device) == four_devices[i]
-    slots = {v.path: km.short_device(v.value.device) for v in par.model.optimizer.variables
+            assert short_device(kernel.value.device) == four_devices[i]
+    slots = {v.path: short_device(v.value.device) for v in par.model.optimizer.variables
              if v.path.endswith("_momentum")}
     # the last device: a kernel shard of each of the 4 layers, a bias shard of the 2 column ones
     assert sum(d == four_devices[n - 1] for d in slots.values()) == 4 + 2
@@ -171,13 +171,13 @@ def test_transformer_heads_and_mlp_fit_equals_keras_on_one_device(four_devices, 
     z.assert_close(par.model(x).numpy(), model(x).numpy(), "forward")
     fit_equals_keras(z, par, model, z.OPTIMIZERS[opt](), x, y, ref, ref_loss, run_eagerly=eager)
     # each head's q/k/v kernels and their optimizer slots on its device
-    slots = {v.path: km.short_device(v.value.device) for v in par.model.optimizer.variables}
+    slots = {v.path: short_device(v.value.device) for v in par.model.optimizer.variables}
     suffixes = ("_momentum", "_velocity") if opt == "adam" else ("_momentum",)
     for path in paths[::3]:
         for i, shard in enumerate(par.parallel_layers[path].shards):
             for name in ("query_kernel", "key_kernel", "value_kernel", "output_kernel"):
                 var = shard[name]
-                assert km.short_device(var.value.device) == devices[i], var.path
+                assert short_device(var.value.device) == devices[i], var.path
                 for suffix in suffixes:
                     slot = f"{par.model.optimizer.name}/{var.path.replace('/', '_')}{suffix}"
                     assert slots[slot] == devices[i], slot

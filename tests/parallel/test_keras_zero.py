@@ -11,9 +11,9 @@ import pytest
 import tensorflow as tf
 
 from accel.parallel.accumulate import Accumulating
-from accel.parallel.keras_model import short_device
 from accel.parallel.offload import Offload
 from accel.parallel.zero import Zero
+from accel.placement import short_device
 
 SLOW = pytest.mark.slow  # attention run eagerly for several steps: make test, not make quick
 OPTIMIZERS = {
@@ -117,8 +117,8 @@ def test_zero_equals_keras_on_one_device(four_devices, keras_zoo, name, opt, sta
     ref, ref_loss = one_device(z, model, reference_optimizer, x, y, shards=n)
     zero = Zero(model, four_devices[:n], loss="mse", optimizer=_optimizer(z, opt), stage=stage,
                 exclude_from_weight_decay=exclude, run_eagerly=eager)
-    assert_trained_like(z, zero, zero.fit(x, y, batch_size=z.BATCH, verbose=0), model, ref,
-                        ref_loss)
+    assert_trained_like(z, zero, zero.fit(x, y, batch_size=z.BATCH, shuffle=False, verbose=0),
+                        model, ref, ref_loss)
 
 
 OFFLOAD_CASES = [("mlp", "sgd_momentum", False), pytest.param("cnn", "adam", True, marks=SLOW),
@@ -133,7 +133,8 @@ def test_offload_equals_keras_on_one_device(four_devices, keras_zoo, name, opt, 
     ref, ref_loss = one_device(z, model, _optimizer(z, opt), x, y, shards=2)
     offload = Offload(model, four_devices[:2], host=four_devices[3], loss="mse",
                       optimizer=_optimizer(z, opt), run_eagerly=eager)
-    assert_trained_like(z, offload, offload.fit(x, y, batch_size=z.BATCH, verbose=0), model,
+    assert_trained_like(z, offload,
+                        offload.fit(x, y, batch_size=z.BATCH, shuffle=False, verbose=0), model,
                         ref, ref_loss)
     assert {_device(v) for v in offload.optimizer.variables} == \
         {four_devices[3]}
@@ -141,6 +142,7 @@ def test_offload_equals_keras_on_one_device(four_devices, keras_zoo, name, opt, 
 
 ACCUMULATION_CASES = [  # form, model, optimizer, devices x micro-batches
     ("accumulating", "mlp", "adam", 2),
+    ("keras_accumulation", "mlp", "adam", 2),  # the optimizer's own gradient_accumulation_steps
     ("accumulating", "cnn", "sgd_momentum", 2),
     pytest.param("accumulating", "transformer", "adam", 2, marks=SLOW),
     pytest.param("zero", "mlp", "adam", 4, marks=SLOW),
@@ -160,13 +162,19 @@ def test_accumulation_equals_keras_gradient_accumulation(four_devices, keras_zoo
     kwargs = {"loss": "mse", "optimizer": _optimizer(z, opt), "run_eagerly": True}
     if form == "accumulating":
         made = Accumulating(model, accumulation_steps=parts, device=four_devices[1], **kwargs)
+    elif form == "keras_accumulation":
+        mine = kwargs.pop("optimizer")
+        mine = mine.__class__.from_config({**mine.get_config(),
+                                           "gradient_accumulation_steps": parts})
+        made = Accumulating(model, device=four_devices[1], optimizer=mine, **kwargs)
+        assert made.accumulation_steps == parts
     elif form == "zero":
         made = Zero(model, four_devices[:2], stage=2, accumulation_steps=parts // 2, **kwargs)
     else:
         made = Offload(model, four_devices[:2], host=four_devices[2],
                        accumulation_steps=parts // 2, **kwargs)
-    assert_trained_like(z, made, made.fit(x, y, batch_size=z.BATCH, verbose=0), model, ref,
-                        ref_loss)
+    assert_trained_like(z, made, made.fit(x, y, batch_size=z.BATCH, shuffle=False, verbose=0),
+                        model, ref, ref_loss)
 
 
 def test_held_bytes_by_hand(four_devices, keras_zoo):
@@ -195,8 +203,6 @@ def test_held_bytes_by_hand(four_devices, keras_zoo):
     (keras.optimizers.Lamb(), "optimizer Lamb is not supported .* supported: .*'SGD'"),
     (keras.optimizers.Adam(clipnorm=1.0), "option clipnorm=1.0 is not supported"),
     (keras.optimizers.SGD(use_ema=True), "option use_ema=True"),
-    (keras.optimizers.Adam(gradient_accumulation_steps=2),
-     "gradient_accumulation_steps=2 .* accumulation_steps= instead"),
     (keras.optimizers.Adam(loss_scale_factor=128.0), "option loss_scale_factor=128.0"),
 ])
 def test_refused_optimizers(four_devices, keras_zoo, optimizer, match):
@@ -211,6 +217,12 @@ def test_bad_input(four_devices, keras_zoo):
         Zero(model, four_devices[:2], loss="mse", optimizer="adam", stage=4)
     with pytest.raises(ValueError, match="accumulation_steps"):
         Zero(model, four_devices[:2], loss="mse", optimizer="adam", accumulation_steps=0)
+    # Keras's own gradient_accumulation_steps means the form's accumulation_steps
+    keras_way = keras.optimizers.Adam(gradient_accumulation_steps=2)
+    assert Zero(model, four_devices[:2], loss="mse", optimizer=keras_way).accumulation_steps == 2
+    with pytest.raises(ValueError, match="accumulation_steps=3 but the optimizer's "
+                                         "gradient_accumulation_steps=2: give one of them"):
+        Zero(model, four_devices[:2], loss="mse", optimizer=keras_way, accumulation_steps=3)
     with pytest.raises(ValueError, match="host .* must not be one of the devices"):
         Offload(model, four_devices[:2], host=four_devices[1], loss="mse", optimizer="adam")
     zero = Zero(model, four_devices[:2], loss="mse", optimizer="adam", accumulation_steps=3,
