@@ -164,7 +164,8 @@ class Form:
 
     def train_step(self, x, y) -> dict:
         """One step on the batch ``(x, y)``; Keras's logs: ``{"loss": the batch's loss}``."""
-        return {"loss": float(self._step(tf.convert_to_tensor(x), tf.convert_to_tensor(y)))}
+        x, y = tf.nest.map_structure(tf.convert_to_tensor, (x, y))  # several inputs: a list
+        return {"loss": float(self._step(x, y))}
 
     def fit(self, x, y=None, batch_size: int | None = None, epochs: int = 1, verbose="auto",
             callbacks=None, shuffle: bool = True, sample_weight=None, class_weight=None):
@@ -192,10 +193,14 @@ class Form:
         else:
             batch_size = 32 if batch_size is None else checks.positive_int("batch_size",
                                                                            batch_size)
-            x, y = np.asarray(x), None if y is None else np.asarray(y)
-            n = len(x)
-            if y is None or len(y) != n:
-                raise ValueError(f"y must hold one label per example of x ({n})")
+            if y is None:
+                raise ValueError("give y, the labels (or a tf.data.Dataset of (x, y) as x)")
+            # a model with several inputs or outputs: a list of arrays, each cut alike
+            x, y = (tf.nest.map_structure(np.asarray, v, check_types=False) for v in (x, y))
+            n = len(tf.nest.flatten(x)[0])
+            if any(len(a) != n for a in tf.nest.flatten((x, y))):
+                raise ValueError(f"y (and every input) must hold one row per example of x "
+                                 f"({n})")
             steps = math.ceil(n / batch_size)
             last = n - (steps - 1) * batch_size
             if batch_size % parts or last % parts:
@@ -209,7 +214,7 @@ class Form:
                 order = np.random.permutation(n) if shuffle else np.arange(n)
                 for k in range(steps):
                     idx = order[k * batch_size:(k + 1) * batch_size]
-                    yield x[idx], y[idx]
+                    yield tf.nest.map_structure(lambda a, i=idx: a[i], (x, y))
 
         verbose = 1 if verbose == "auto" else verbose
         model = self.user_model()
@@ -223,7 +228,7 @@ class Form:
             total = count = 0
             for k, (xb, yb) in enumerate(epoch_batches()):
                 hooks.on_train_batch_begin(k)
-                size = int(len(xb) if not tf.is_tensor(xb) else xb.shape[0])
+                size = int(tf.nest.flatten(xb)[0].shape[0])
                 total += self.train_step(xb, yb)["loss"] * size
                 count += size
                 hooks.on_train_batch_end(k, {"loss": total / count})

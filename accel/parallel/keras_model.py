@@ -3,16 +3,12 @@
 Every parallel form that cuts a model into parts (model parallelism, pipelines) works the same
 way, written once here:
 
-* ``sequential_layers(model)``: the layers of a built ``keras.Sequential`` in order, checked
-  (a form that needs layers in order takes a ``Sequential``; a transformer is a ``Sequential``
-  of block layers, each block a layer with its residuals inside);
-* ``copy_layers(layers, device, input_shape)``: *working copies* of layers, rebuilt on a device
-  with ``from_config`` and ``set_weights`` (Keras 3 creates a layer's variables on the device in
-  effect when it is built, and a Keras optimizer creates each slot next to its variable, so the
-  copies and their optimizer state live where the form wants them);
-* ``balance_layers`` and ``copy_parts``: the layers cut into consecutive parts (by count,
-  parameter bytes or an explicit list, ``accel.parallel.partition``) and each part copied onto
-  its device;
+* ``sequential_layers(model)``: the layers of a built ``keras.Sequential`` in order, checked;
+* ``copy_layer(layer)`` and ``copy_model(model, device)``: *working copies* rebuilt from
+  configs (Keras 3 creates a layer's variables on the device in effect when it is built, and a
+  Keras optimizer creates each slot next to its variable, so the copies and their optimizer
+  state live where the form wants them); cutting a model into parts and copying each part onto
+  its device is ``accel.parallel.graph``;
 * ``write_back(layers, copies)``: the copies' weights (trainable and not, e.g. BatchNorm's
   moving statistics) back into the user's layers, so that ``model.predict``, ``model.save``
   and ``model.evaluate`` see the trained model;
@@ -20,15 +16,16 @@ way, written once here:
   name such as ``"adam"``) copied from its config, so that the user's optimizer is never bound
   to the copies' variables, and a Keras loss (an object, a name, or a function of
   ``(y_true, y_pred)``) whose mean over a batch is the training loss;
-* ``call_layers(layers, x)`` and ``training_loss(loss_fn, y, y_pred, added)``: what every form
-  trains, the loss Keras's ``Trainer.compute_loss`` gives ``fit``: the compiled loss's mean over
-  the batch **plus every term of** ``model.losses`` (kernel, bias and activity regularizers,
-  ``add_loss``), each summed, as ``Trainer._aggregate_additional_loss`` does. A form that splits
-  the batch (replicas, micro-batches) gives each part its share of the whole, as Keras does
-  under a ``tf.distribute`` strategy (``losses.loss.scale_loss_for_distribution`` divides the
-  compiled loss *and* each added term by the number of replicas, whose gradients are then
-  summed): the weight regularizers then count once per step, and a term that is a mean over the
-  examples (a VAE's KL term) equals the whole batch's; a term that *sums* over the examples (an
+* ``training_loss(loss_fn, y, y_pred, terms)`` (``outputs_loss`` for several outputs):
+  what every form trains, the loss Keras's ``Trainer.compute_loss`` gives ``fit``: the
+  compiled loss's mean over the batch **plus every term of** ``model.losses`` (kernel, bias
+  and activity regularizers, ``add_loss``), each summed, as
+  ``Trainer._aggregate_additional_loss`` does. A form that splits the batch (replicas,
+  micro-batches) gives each part its share of the whole, as Keras does under a
+  ``tf.distribute`` strategy (``losses.loss.scale_loss_for_distribution`` divides the compiled
+  loss *and* each added term by the number of replicas, whose gradients are then summed): the
+  weight regularizers then count once per step, and a term that is a mean over the examples
+  (a VAE's KL term) equals the whole batch's; a term that *sums* over the examples (an
   activity regularizer) counts the mean over the parts, as under ``MirroredStrategy``;
 * ``merge_gradients(grads, coefficients)``: ``sum_i c_i g_i`` for dense gradients and, for the
   ``tf.IndexedSlices`` an ``Embedding`` produces, the slices concatenated with their values
@@ -46,15 +43,13 @@ from collections.abc import Callable, Sequence
 import keras
 import tensorflow as tf
 
-from accel import checks
 from accel.devices import parse_device
-from accel.parallel import partition
 from accel.placement import short_device
 
-__all__ = ["sequential_layers", "input_shape_of", "balance_layers", "copy_model", "copy_layers",
-           "copy_parts", "output_shape_of", "write_back", "fresh_optimizer", "loss_function",
-           "variable_devices", "call_layers", "added_loss", "training_loss",
-           "merge_gradients", "is_sparse", "loss_scale"]
+__all__ = ["sequential_layers", "input_shape_of", "copy_model", "copy_layer", "write_back",
+           "fresh_optimizer", "loss_function", "variable_devices", "added_loss", "training_loss",
+           "merge_gradients", "is_sparse", "loss_scale", "bundle", "float_tensors",
+           "outputs_loss"]
 
 
 def sequential_layers(model) -> list:
@@ -76,40 +71,6 @@ def input_shape_of(model) -> tuple:
         raise ValueError(f"the model's input shape per example must be known, got {shape}: "
                          "start the Sequential with keras.Input(shape)")
     return shape
-
-
-def balance_layers(layers: Sequence, num_parts: int, balance="count") -> list[int]:
-    """Layers per part: ``"count"`` (as equal as possible), ``"bytes"`` (parameter bytes; a
-    layer without weights counts 1 byte), or an explicit list checked against the layers."""
-    n = len(layers)
-    if n < num_parts:
-        raise ValueError(f"the model has {n} layers, fewer than the {num_parts} parts to cut it "
-                         "into")
-    if isinstance(balance, str):
-        checks.one_of("balance", balance, ("count", "bytes"))
-        if balance == "count":
-            return partition.balance_by_count(n, num_parts)
-        costs = [sum(int(w.numpy().nbytes) for w in layer.weights) or 1 for layer in layers]
-        return partition.balance_by_cost(costs, num_parts)
-    sizes = partition.check_balance(balance, n)
-    if len(sizes) != num_parts:
-        raise ValueError(f"balance {sizes} has {len(sizes)} parts; this form cuts the model into "
-                         f"{num_parts}")
-    return sizes
-
-
-def copy_parts(layers: Sequence, sizes: Sequence[int], devices: Sequence[str],
-               input_shape: Sequence[int]) -> tuple[list[list], list[list]]:
-    """``(parts, copies)``: the layers cut by ``sizes``, and each part copied onto its device
-    (``devices[i]`` for part ``i``)."""
-    parts, copies, shape = [], [], tuple(input_shape)
-    for r, device in zip(partition.part_ranges(sizes), devices, strict=True):
-        part = [layers[i] for i in r]
-        made = copy_layers(part, device, shape)
-        shape = output_shape_of(made, shape)
-        parts.append(part)
-        copies.append(made)
-    return parts, copies
 
 
 def copy_model(model, device: str):
@@ -146,37 +107,14 @@ def _rebuild_advice(exc: BaseException) -> str:
             "their constructor's arguments, and **kwargs in __init__")
 
 
-def copy_layers(layers: Sequence, device: str, input_shape: Sequence[int]) -> list:
-    """Copies of ``layers`` (consecutive, the first taking inputs of ``input_shape`` per example)
-    with their variables created on ``device`` and holding the same weights."""
-    device = parse_device(device).to_string()
-    copies = []
-    with tf.device(device):
-        x = tf.zeros((1, *input_shape), dtype=_input_dtype(layers[0]))
-        for layer in layers:
-            try:
-                copy = layer.__class__.from_config(layer.get_config())
-            except Exception as exc:  # a custom layer without get_config / from_config
-                raise ValueError(
-                    f"layer {layer.name} ({type(layer).__name__}) cannot be rebuilt from its "
-                    f"config: {_rebuild_advice(exc)}") from exc
-            x = copy(x, training=False)  # builds it here, on the device
-            copy.set_weights(layer.get_weights())
-            copies.append(copy)
-    return copies
-
-
-def output_shape_of(layers: Sequence, input_shape: Sequence[int]) -> tuple:
-    """One example's output shape after ``layers`` (run in inference mode on zeros)."""
-    x = tf.zeros((1, *input_shape), dtype=_input_dtype(layers[0]))
-    for layer in layers:
-        x = layer(x, training=False)
-    return tuple(x.shape[1:])
-
-
-def _input_dtype(layer) -> str:
-    policy = getattr(layer, "dtype_policy", None)
-    return getattr(policy, "compute_dtype", None) or keras.config.floatx()
+def copy_layer(layer):
+    """A new, unbuilt layer made from ``layer``'s config (``ValueError`` saying what to do
+    when Keras cannot rebuild it)."""
+    try:
+        return layer.__class__.from_config(layer.get_config())
+    except Exception as exc:  # a custom layer without get_config / from_config
+        raise ValueError(f"layer {layer.name} ({type(layer).__name__}) cannot be rebuilt from "
+                         f"its config: {_rebuild_advice(exc)}") from exc
 
 
 def write_back(layers: Sequence, copies: Sequence) -> None:
@@ -221,18 +159,6 @@ def loss_function(loss) -> Callable:
                      f"{type(loss).__name__}")
 
 
-def call_layers(layers: Sequence, x, training: bool = True):
-    """``(output, terms)``: ``x`` through ``layers`` in order, and the terms each layer put in
-    its ``losses`` during the call (``add_loss``, activity regularizers) plus its weights'
-    regularizers (Keras clears a layer's added losses at the start of each outermost call, so
-    they are read right after it)."""
-    terms = []
-    for layer in layers:
-        x = layer(x, training=training)
-        terms.extend(layer.losses)
-    return x, terms
-
-
 def added_loss(terms: Sequence, dtype=None):
     """The sum of ``model.losses``-style ``terms`` as ``fit`` adds them (each term summed,
     cast to ``dtype``, default ``keras.config.floatx()``), or ``None`` for no terms."""
@@ -263,6 +189,33 @@ def loss_scale(optimizer, dtype="float32"):
             optimizer.loss_scale_factor is None:
         return None
     return tf.cast(optimizer.scale_loss(tf.ones((), "float32")), dtype)
+
+
+def bundle(x) -> tuple:
+    """A model's input as a tuple of tensors: the inputs of a model with several, or one."""
+    return tuple(x) if isinstance(x, list | tuple) else (x,)
+
+
+def float_tensors(tensors) -> list:
+    """The floating-point tensors of ``tensors`` (the ones a gradient flows through; token ids
+    passed along do not)."""
+    return [t for t in tensors if t.dtype.is_floating]
+
+
+def outputs_loss(loss_fn: Callable, y, outputs: Sequence, terms: Sequence = ()):
+    """``training_loss`` for a model's outputs: one output and its labels, or several outputs
+    and as many labels (a list or tuple), each output's mean loss summed, as Keras's compiled
+    loss does with one loss for every output."""
+    if len(outputs) == 1:
+        return training_loss(loss_fn, y, outputs[0], terms)
+    ys = bundle(y)
+    if len(ys) != len(outputs):
+        raise ValueError(f"the model has {len(outputs)} outputs: give y as a list of as many "
+                         f"label arrays, got {len(ys)}")
+    losses = [tf.reduce_mean(loss_fn(yk, out)) for yk, out in zip(ys, outputs, strict=True)]
+    loss = tf.add_n([tf.cast(v, losses[0].dtype) for v in losses])
+    extra = added_loss(terms, loss.dtype)
+    return loss if extra is None else loss + extra
 
 
 def is_sparse(gradient) -> bool:

@@ -43,6 +43,7 @@ import tensorflow as tf
 from accel import checks
 from accel.collectives import all_reduce
 from accel.devices import parse_device
+from accel.parallel import graph
 from accel.parallel import keras_model as km
 from accel.parallel.data import average_gradients, split_batch
 from accel.parallel.form import Form, device_list
@@ -321,10 +322,11 @@ class ModelParallel(Form):
     """
 
     name = "model"
-    options = ("balance", "replicas")
+    options = ("balance", "replicas", "split_points")
 
     def __init__(self, model, devices: Sequence[str] | None = None, *, loss, optimizer,
-                 balance="count", replicas: Sequence[Sequence[str]] | None = None):
+                 balance="count", replicas: Sequence[Sequence[str]] | None = None,
+                 split_points: Sequence[str] | None = None):
         if (devices is None) == (replicas is None):
             raise ValueError("give devices (one per part) or replicas (one device list per "
                              "replica), not both")
@@ -338,15 +340,16 @@ class ModelParallel(Form):
         self.replicas = _check_replicas(reps, num_parts)
         device_list([d for devs in self.replicas for d in devs], "the replicas' devices")
         self.model = model
-        self.layers = km.sequential_layers(model)
-        self.balance = km.balance_layers(self.layers, num_parts, balance)
+        self.graph = graph.model_graph(model)
+        self.layers = [c.layer for c in self.graph.calls]
+        self.balance = graph.split_sizes(self.graph, num_parts, split_points, balance)
+        self.graph_parts = graph.cut(self.graph, self.balance)
+        self.parts = [gp.layers for gp in self.graph_parts]
         self.loss_fn = km.loss_function(loss)
-        shape = km.input_shape_of(model)
-        self.parts, self.copies, self.optimizers = None, [], []
+        self.copies, self.optimizers = [], []
         for devs in self.replicas:
-            parts, copies = km.copy_parts(self.layers, self.balance, devs, shape)
-            self.parts = parts
-            self.copies.append(copies)
+            self.copies.append([graph.copy_part(self.graph, gp, d)
+                                for gp, d in zip(self.graph_parts, devs, strict=True)])
             self.optimizers.append(self.make_optimizer(optimizer))
         for r, opt in enumerate(self.optimizers):
             # built eagerly: each slot then sits beside its variable (built inside the step's
@@ -366,41 +369,46 @@ class ModelParallel(Form):
         loss_fn = self.loss_fn
 
         def one_replica(r, x, y):
-            # each part adds the terms its layers put in model.losses (regularizers,
-            # add_loss) to the loss: they are differentiated with the part's own backward
-            saved, h, total = [], x, []
-            for p in range(num_parts):
+            # a part receives a bundle of tensors (the model's inputs, or what the parts before
+            # it pass on: skip connections included) and passes one on; each part adds the
+            # terms its layers put in model.losses (regularizers, add_loss) to the loss: they
+            # are differentiated with the part's own backward
+            saved, bundle, total = [], km.bundle(x), []
+            for p, gp in enumerate(self.graph_parts):
                 with tf.device(reps[r][p]), tf.GradientTape() as tape:
                     if p > 0:
-                        tape.watch(h)
-                    out, terms = km.call_layers(self.copies[r][p], h)
+                        tape.watch(km.float_tensors(bundle))
+                    out, terms = graph.run_part(gp, self.copies[r][p], bundle)
                     if p == num_parts - 1:
-                        out = km.training_loss(loss_fn, y, out, terms)
+                        out = km.outputs_loss(loss_fn, y, out, terms)
                         extra = None
                     else:
                         extra = km.added_loss(terms)
-                saved.append((tape, h, out, extra))
+                saved.append((tape, bundle, out, extra))
                 total += [out] if p == num_parts - 1 else [] if extra is None else [extra]
-                h = out
+                bundle = out
             grads, upstream = [None] * num_parts, None
             # a LossScaleOptimizer's scale seeds the backward, as fit scales the loss
             scale = km.loss_scale(self.optimizers[r], saved[-1][2].dtype)
             for p in reversed(range(num_parts)):  # each part's backward on its own device
                 tape, inp, out, extra = saved[p]
-                sources = self.variables(r, p) if p == 0 else [inp, *self.variables(r, p)]
+                inp = [] if p == 0 else km.float_tensors(inp)
+                sources = [*inp, *self.variables(r, p)]
                 with tf.device(reps[r][p]):
-                    one = tf.ones_like(out if extra is None else extra)
-                    if scale is not None:
+                    own = out if upstream is None else extra  # the loss or the part's terms
+                    one = None if own is None else tf.ones_like(own)
+                    if scale is not None and one is not None:
                         one = one * tf.cast(scale, one.dtype)
                     if upstream is None:  # the last part: out is the loss
-                        g = tape.gradient(out, sources, output_gradients=one)
+                        g = tape.gradient(out, sources, output_gradients=one,
+                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
                     else:
-                        targets = [out] + ([] if extra is None else [extra])
-                        seeds = [upstream] + ([] if extra is None else [one])
-                        g = tape.gradient(targets, sources, output_gradients=seeds)
-                if p > 0:
-                    upstream, g = g[0], g[1:]
-                grads[p] = g
+                        outs = km.float_tensors(out)
+                        targets = outs + ([] if extra is None else [extra])
+                        seeds = upstream + ([] if extra is None else [one])
+                        g = tape.gradient(targets, sources, output_gradients=seeds,
+                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                upstream, grads[p] = list(g[:len(inp)]), g[len(inp):]
             loss = tf.add_n(total) if len(total) > 1 else total[0]
             return loss, grads
 
@@ -455,3 +463,7 @@ class ModelParallel(Form):
 
     def optimizer_variables(self) -> list:
         return [v for opt in self.optimizers for v in opt.variables]
+
+    def crossings(self) -> list[list[tuple]]:
+        """What crosses each cut between parts, per example (``accel.parallel.graph``)."""
+        return graph.crossings(self.graph, self.graph_parts)

@@ -35,8 +35,8 @@ import tensorflow as tf
 
 from accel import checks
 from accel.devices import parse_device
+from accel.parallel import graph, partition
 from accel.parallel import keras_model as km
-from accel.parallel import partition
 from accel.parallel.form import Form, device_list
 from accel.parallel.pipeline import (
     Task,
@@ -62,6 +62,7 @@ class Stage:
     params: list
     device: str
     adds_losses: bool = False
+    bundles: bool = False  # fn takes and returns tuples of tensors (a graph part's bundles)
 
 
 @dataclass
@@ -83,13 +84,18 @@ def split_microbatches(x, y, num_microbatches: int) -> list[tuple[tf.Tensor, tf.
     """``(x, y)`` cut into ``num_microbatches`` equal micro-batches along axis 0
     (``ValueError`` naming the sizes if the batch does not divide)."""
     checks.positive_int("num_microbatches", num_microbatches)
-    n = int(x.shape[0])
-    if n % num_microbatches or int(y.shape[0]) != n:
-        raise ValueError(f"a batch of {n} examples (labels: {int(y.shape[0])}) does not split "
-                         f"into {num_microbatches} equal micro-batches")
+    n = int(tf.nest.flatten(x)[0].shape[0])
+    labels = {int(t.shape[0]) for t in tf.nest.flatten(y)} | {
+        int(t.shape[0]) for t in tf.nest.flatten(x)}
+    if n % num_microbatches or labels != {n}:
+        raise ValueError(f"a batch of {n} examples (inputs and labels: {sorted(labels)}) does "
+                         f"not split into {num_microbatches} equal micro-batches")
     size = n // num_microbatches
-    return [(x[k * size:(k + 1) * size], y[k * size:(k + 1) * size])
-            for k in range(num_microbatches)]
+
+    def cut(k):
+        return tf.nest.map_structure(lambda t: t[k * size:(k + 1) * size], (x, y))
+
+    return [cut(k) for k in range(num_microbatches)]
 
 
 def layer_stages(layers: Sequence, balance: Sequence[int], devices: Sequence[str]) -> list[Stage]:
@@ -155,15 +161,17 @@ class _Run:
     def forward(self, s: int, i: int) -> None:
         stage, last = self.stages[s], s == len(self.stages) - 1
         x = self.micro[i][0] if s == 0 else self.outputs.pop((s - 1, i))
+        if s == 0 and stage.bundles:
+            x = km.bundle(x)
         with tf.device(stage.device):
-            x = tf.identity(x)
+            x = tf.nest.map_structure(tf.identity, x)
             if self.recompute:  # keep nothing but x: no tape records this forward
                 out, extra = self._stage_out(s, i, x)
                 self.stash[(s, i)] = (x,)
             else:
                 with tf.GradientTape() as tape:
                     if s > 0:  # stage 0 needs no gradient of its input (maybe token ids)
-                        tape.watch(x)
+                        tape.watch(km.float_tensors(tf.nest.flatten(x)))
                     out, extra = self._stage_out(s, i, x)
                 self.stash[(s, i)] = (x, tape, out, extra)
         if extra is not None:
@@ -181,14 +189,16 @@ class _Run:
         weighted by its share) and the terms its layers added to the loss, weighted by the same
         share (``None`` if none)."""
         stage = self.stages[s]
-        share = x.shape[0] / sum(int(m[0].shape[0]) for m in self.micro)
+        rows = int(tf.nest.flatten(x)[0].shape[0])
+        share = rows / sum(int(tf.nest.flatten(m[0])[0].shape[0]) for m in self.micro)
         out, extra = stage.fn(stage.params, x), None
         if stage.adds_losses:
             out, terms = out
             extra = km.added_loss(terms)
             extra = None if extra is None else extra * tf.cast(share, extra.dtype)
         if s == len(self.stages) - 1:
-            out = tf.reduce_mean(self.loss_fn(self.micro[i][1], out))
+            out = km.outputs_loss(self.loss_fn, self.micro[i][1],
+                                  out if isinstance(out, tuple) else (out,))
             out = out * tf.cast(share, out.dtype)
             if extra is not None:
                 out, extra = out + tf.cast(extra, out.dtype), None
@@ -202,24 +212,29 @@ class _Run:
                 x = saved[0]
                 with tf.GradientTape() as tape:
                     if s > 0:
-                        tape.watch(x)
+                        tape.watch(km.float_tensors(tf.nest.flatten(x)))
                     out, extra = self._stage_out(s, i, x)
             else:
                 x, tape, out, extra = saved
-            upstream = None if last else self.input_grads.pop((s + 1, i))
-            sources = [*stage.params] if s == 0 else [x, *stage.params]  # stage 0: no dx needed
+            # stage 0 needs no gradient of its input; the others, of each float tensor received
+            inputs = [] if s == 0 else km.float_tensors(tf.nest.flatten(x))
+            sources = [*inputs, *stage.params]
             seed = None  # the loss's own gradient: 1, or the loss scale (fit scales the loss)
             if self.loss_scale is not None and (last or extra is not None):
                 seed = tf.cast(self.loss_scale, (out if last else extra).dtype)
             if last:
-                upstream = seed
-            if extra is None:
-                grads = tape.gradient(out, sources, output_gradients=upstream)
-            else:  # the stage's own loss terms join the gradient coming from later stages
-                one = tf.ones_like(extra) if seed is None else seed
-                grads = tape.gradient([out, extra], sources, output_gradients=[upstream, one])
+                targets, seeds = [out], [seed]
+            else:  # each float tensor passed on, with the gradient the next stage sent back
+                targets = km.float_tensors(tf.nest.flatten(out))
+                seeds = self.input_grads.pop((s + 1, i))
+            if extra is not None:  # the stage's own loss terms join the gradient
+                targets, seeds = targets + [extra], seeds + [
+                    tf.ones_like(extra) if seed is None else seed]
+            grads = tape.gradient(targets, sources,
+                                  output_gradients=None if seeds == [None] else seeds,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
         if s > 0:
-            self.input_grads[(s, i)], grads = grads[0], grads[1:]
+            self.input_grads[(s, i)], grads = list(grads[:len(inputs)]), grads[len(inputs):]
         acc = self.grads[s]
         # an embedding's IndexedSlices accumulate as slices (every micro-batch's rows)
         self.grads[s] = list(grads) if acc is None else [km.merge_gradients([a, g]) for a, g in
@@ -359,20 +374,24 @@ class Pipeline(Form):
     """
 
     name = "pipeline"
-    options = ("num_microbatches", "schedule", "num_chunks", "balance", "recompute")
+    options = ("num_microbatches", "schedule", "num_chunks", "balance", "recompute",
+               "split_points")
 
     def __init__(self, model, devices: Sequence[str], *, loss, optimizer,
                  num_microbatches: int, schedule: str = "1f1b", num_chunks: int = 1,
-                 balance="count", recompute: bool = False):
+                 balance="count", recompute: bool = False,
+                 split_points: Sequence[str] | None = None):
         self.model = model
-        self.layers = km.sequential_layers(model)
+        self.graph = graph.model_graph(model)
+        self.layers = [c.layer for c in self.graph.calls]
         self.devices = device_list(devices)  # num_chunks puts several stages on one device
         self.num_microbatches = checks.positive_int("num_microbatches", num_microbatches)
         self.num_chunks = checks.positive_int("num_chunks", num_chunks)
         p = len(self.devices)
         self.schedule = make_schedule(schedule, self.num_microbatches, p, self.num_chunks)
         self.schedule_name = schedule
-        self.balance = km.balance_layers(self.layers, p * self.num_chunks, balance)
+        self.balance = graph.split_sizes(self.graph, p * self.num_chunks, split_points, balance)
+        self.graph_parts = graph.cut(self.graph, self.balance)
         if recompute and any(layer.non_trainable_weights for layer in self.layers):
             raise ValueError("recompute=True with layers that hold non-trainable state (e.g. "
                              "BatchNormalization): the forward run again would update it twice")
@@ -381,19 +400,21 @@ class Pipeline(Form):
         self.optimizer = self.make_optimizer(optimizer)
         self.last_run: PipelineRun | None = None
         stage_devices_ = [self.devices[s % p] for s in range(p * self.num_chunks)]
-        self.parts, self.copies = km.copy_parts(self.layers, self.balance, stage_devices_,
-                                                km.input_shape_of(model))
-        self.stages = [Stage(_keras_stage_fn(copies),
+        self.parts = [gp.layers for gp in self.graph_parts]
+        self.copies = [graph.copy_part(self.graph, gp, device)
+                       for gp, device in zip(self.graph_parts, stage_devices_, strict=True)]
+        self.stages = [Stage(_graph_stage_fn(gp, copies),
                              [w for c in copies for w in c.trainable_weights], device,
-                             adds_losses=True)
-                       for copies, device in zip(self.copies, stage_devices_, strict=True)]
+                             adds_losses=True, bundles=True)
+                       for gp, copies, device in zip(self.graph_parts, self.copies,
+                                                     stage_devices_, strict=True)]
         self._pipeline_step = make_pipeline_step(self.stages, self.loss_fn, self.optimizer,
                                                  self.schedule, self.num_microbatches, recompute)
 
     def run_step(self, x, y) -> PipelineRun:
         """One batch through the pipeline and one update (the user's model is not touched);
         the run, also kept as ``last_run``."""
-        self.last_run = self._pipeline_step(tf.convert_to_tensor(x), tf.convert_to_tensor(y))
+        self.last_run = self._pipeline_step(*tf.nest.map_structure(tf.convert_to_tensor, (x, y)))
         return self.last_run
 
     def _step(self, x, y):
@@ -412,8 +433,13 @@ class Pipeline(Form):
     def optimizer_variables(self) -> list:
         return list(self.optimizer.variables)
 
+    def crossings(self) -> list[list[tuple]]:
+        """What crosses each cut between stages, per example (``accel.parallel.graph``)."""
+        return graph.crossings(self.graph, self.graph_parts)
 
-def _keras_stage_fn(copies: list) -> Callable:
-    def fn(params, x):  # params are the copies' own variables, which the tape watches
-        return km.call_layers(copies, x)  # (output, the terms the layers add to the loss)
+
+def _graph_stage_fn(part, copies: list) -> Callable:
+    def fn(params, bundle):  # params are the copies' own variables, which the tape watches
+        # (the bundle passed on, the terms the layers add to the loss)
+        return graph.run_part(part, copies, bundle)
     return fn

@@ -108,14 +108,26 @@ def test_interleaved_is_logged_per_device_in_schedule_order(four_devices, keras_
     assert len(run.peak_stash) == 4
 
 
+class _Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+
 def test_balance_and_bad_input(four_devices, keras_zoo):
     model = keras_zoo.MODELS["mlp"]()
     devices = four_devices[:2]
     kw = {"loss": "mse", "optimizer": "adam", "num_microbatches": 2}
     assert pe.Pipeline(model, devices, balance=[1, 3], **kw).balance == [1, 3]
     assert pe.Pipeline(model, devices, balance="bytes", **kw).balance == [2, 2]
-    with pytest.raises(ValueError, match="must be a keras.Sequential"):
-        pe.Pipeline(keras.Model(model.inputs, model.outputs), devices, **kw)
+    subclassed = _Subclassed()
+    subclassed(np.zeros((1, 6)))
+    with pytest.raises(ValueError, match="subclassed model: .* as a functional model .* the "
+                                         "data-parallel forms"):
+        pe.Pipeline(subclassed, devices, **kw)
     with pytest.raises(ValueError, match=r"balance \[2, 2\] has 2 parts; this form cuts the "
                                          "model into 4"):
         pe.Pipeline(model, devices, balance=[2, 2], num_chunks=2, schedule="interleaved", **kw)
