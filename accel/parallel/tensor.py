@@ -339,14 +339,41 @@ class HeadParallelAttention(keras.layers.Layer):
 # what each rule kind converts, and into what
 _KINDS = {"column": keras.layers.Dense, "row": keras.layers.Dense,
           "heads": keras.layers.MultiHeadAttention}
+# activations that mix a row's units (not element by element): a column shard cannot apply them
+_ACROSS_UNITS = ("softmax", "log_softmax", "sparsemax")
 _DENSE_UNSUPPORTED = ("kernel_regularizer", "bias_regularizer", "activity_regularizer",
                       "kernel_constraint", "bias_constraint", "lora_rank")
 
 
 def _sublayers(layer) -> list[tuple[str, keras.layers.Layer]]:
-    """The sublayers ``layer`` holds in public attributes, in the order they were assigned."""
+    """The sublayers ``layer`` holds in public attributes, in the order they were assigned; for
+    a ``Sequential`` (a block's ``self.ffn = keras.Sequential([...])``), its layers by position
+    (``"0"``, ``"1"``, ...: Keras's generated names depend on the process)."""
+    if isinstance(layer, keras.Sequential):
+        return [(str(i), sub) for i, sub in enumerate(layer.layers)]
     return [(name, value) for name, value in vars(layer).items()
             if not name.startswith("_") and isinstance(value, keras.layers.Layer)]
+
+
+def _child(layer, name: str):
+    """``layer``'s sublayer called ``name`` by ``_sublayers`` (``None`` if it has none)."""
+    if isinstance(layer, keras.Sequential):
+        return layer.layers[int(name)] if int(name) < len(layer.layers) else None
+    return getattr(layer, name, None)
+
+
+def _replace_child(layer, name: str, new) -> None:
+    """Put ``new`` in place of ``layer``'s sublayer ``name`` (before ``layer`` is built): an
+    attribute Keras tracks, or the position in a ``Sequential`` (its public ``pop`` / ``add``)."""
+    if not isinstance(layer, keras.Sequential):
+        setattr(layer, name, new)  # Keras tracks it: its variables are the block's
+        return
+    layers = list(layer.layers)
+    layers[int(name)] = new
+    for _ in range(len(layer.layers)):
+        layer.pop(rebuild=False)
+    for sub in layers:
+        layer.add(sub, rebuild=False)
 
 
 def _parallel_layer(layer, kind: str, devices: Sequence[str], gather_output: bool = True):
@@ -358,6 +385,14 @@ def _parallel_layer(layer, kind: str, devices: Sequence[str], gather_output: boo
     if unsupported:
         raise ValueError(f"Dense {layer.name} has {unsupported}: the {kind}-parallel Dense "
                          "supports none of these")
+    activation = keras.activations.serialize(keras.activations.get(cfg["activation"]))
+    name = activation if isinstance(activation, str) else str(activation)
+    if kind == "column" and any(word in name for word in _ACROSS_UNITS):
+        raise ValueError(f"Dense {layer.name} has activation {name!r}, which normalises over "
+                         "all its units, while a column split computes each shard's units on "
+                         "their own device: split a Dense without that activation (activation="
+                         "None, then a keras.layers.Activation layer after it), or leave this "
+                         "layer whole")
     common = {"units": cfg["units"], "devices": devices, "activation": cfg["activation"],
               "use_bias": cfg["use_bias"], "name": f"{layer.name}_{kind}",
               "dtype": cfg["dtype"], "trainable": cfg["trainable"]}
@@ -376,7 +411,9 @@ class TensorParallel(Form):
 
     A layer's path is its attribute path: a top-level layer's name (``"up1"``), then for a
     sublayer held in a public attribute of a block layer, ``/`` and the attribute name
-    (``"block/attn"``, ``"block_1/up"``, deeper nesting likewise). Keras's own variable paths
+    (``"block/attn"``, ``"block_1/up"``, deeper nesting likewise); the layers of a
+    ``Sequential`` a block holds by their position (``"block/ffn/0"``, ``"block/ffn/2"``).
+    A ``"column"`` Dense whose activation mixes its units (softmax) is refused, naming it. Keras's own variable paths
     name sublayers by generated names (``sequential/block/dense_1/kernel``) that depend on how
     many layers the process has made, so the rules match the names the block's code gives.
 
@@ -508,7 +545,7 @@ class TensorParallel(Form):
         children = _sublayers(orig)
         for j, (name, child) in enumerate(children):
             sub = f"{path}/{name}"
-            target = getattr(copy, name, None)
+            target = _child(copy, name)
             if not isinstance(target, keras.layers.Layer):
                 if sub in self.kinds or any(p.startswith(sub + "/") for p in self.kinds):
                     raise ValueError(f"{sub}: the {type(copy).__name__} rebuilt from its config "
@@ -525,7 +562,7 @@ class TensorParallel(Form):
             new = _parallel_layer(child, kind, self.devices, gather_output=not feeds)
             with keras.name_scope(copy.name):  # its variables' paths, as the block's own
                 _build_like(new, child)
-            setattr(copy, name, new)  # Keras tracks it: its variables are the block's
+            _replace_child(copy, name, new)
             leaves.append((child, new, sub))
             if feeds:
                 handoffs.append((sub, nxt))

@@ -274,3 +274,72 @@ def test_head_parallel_attention_and_refusals(four_devices):
     with pytest.raises(ValueError, match="late/up: the MakesUpInBuild rebuilt from its config "
                                          "has no sublayer 'up' before it is built"):
         tp.TensorParallel(model, devices, {"/up$": "column"})
+
+
+def test_a_column_split_of_softmax_names_the_activation(four_devices):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="up"),
+                              keras.layers.Dense(4, activation="softmax", name="probs")])
+    with pytest.raises(ValueError, match="Dense probs has activation 'softmax', which "
+                                         "normalises over all its units"):
+        tp.TensorParallel(model, four_devices[:2], {"probs": "column"})
+
+
+@keras.saving.register_keras_serializable("accel_tests_tensor")
+class _SequentialMLPBlock(keras.layers.Layer):
+    """Attention, then an MLP held as a nested ``Sequential`` (keras.io's ``self.ffn``)."""
+
+    def __init__(self, width, **kwargs):
+        super().__init__(**kwargs)
+        self.width = width
+        self.attn = keras.layers.MultiHeadAttention(2, width // 2, dtype=self.dtype_policy)
+        self.ffn = keras.Sequential([
+            keras.layers.Dense(2 * width, activation="relu", dtype=self.dtype_policy),
+            keras.layers.Dropout(0.0, dtype=self.dtype_policy),
+            keras.layers.Dense(width, dtype=self.dtype_policy)])
+
+    def call(self, x, training=False):
+        x = x + self.attn(x, x, training=training)
+        return x + self.ffn(x, training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "width": self.width}
+
+
+def test_rules_reach_a_sequential_held_by_a_block(four_devices):
+    """A block's ``self.ffn = keras.Sequential([...])``: its layers are reached by position
+    (``block/ffn/0``), split, and the model trains as Keras's fit on one device (float64, an
+    embedding's sparse gradient included)."""
+    before = keras.config.floatx()
+    keras.config.set_floatx("float64")
+    try:
+        def make():
+            keras.utils.set_random_seed(0)
+            return keras.Sequential([
+                keras.Input((5,), dtype="int32"), keras.layers.Embedding(12, 8, dtype="float64"),
+                _SequentialMLPBlock(8, dtype="float64", name="block"),
+                keras.layers.GlobalAveragePooling1D(dtype="float64"),
+                keras.layers.Dense(3, dtype="float64")])
+
+        rng = np.random.default_rng(1)
+        x, y = rng.integers(0, 12, (48, 5)).astype("int32"), rng.integers(0, 3, 48)
+        ref = make()
+        ref.compile(optimizer=keras.optimizers.Adam(0.02), run_eagerly=True,
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        ref.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        model = make()
+        par = tp.TensorParallel(model, four_devices[:2],
+                                {"block/attn": "heads", "block/ffn/0": "column",
+                                 "block/ffn/2": "row"},
+                                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                                optimizer=keras.optimizers.Adam(0.02))
+        assert par.kinds == {"block/attn": "heads", "block/ffn/0": "column",
+                             "block/ffn/2": "row"}
+        for path in ("block/ffn/0", "block/ffn/2"):
+            shards = [w for w in par.parallel_layers[path].weights if "kernel" in w.path]
+            assert [short_device(w.value.device) for w in shards] == four_devices[:2], path
+        par.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        scale = max(np.abs(w).max() for w in ref.get_weights())
+        for a, b in zip(model.get_weights(), ref.get_weights(), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * scale)
+    finally:
+        keras.config.set_floatx(before)
