@@ -413,9 +413,10 @@ class TensorParallel(Form):
     sublayer held in a public attribute of a block layer, ``/`` and the attribute name
     (``"block/attn"``, ``"block_1/up"``, deeper nesting likewise); the layers of a
     ``Sequential`` a block holds by their position (``"block/ffn/0"``, ``"block/ffn/2"``).
-    A ``"column"`` Dense whose activation mixes its units (softmax) is refused, naming it. Keras's own variable paths
-    name sublayers by generated names (``sequential/block/dense_1/kernel``) that depend on how
-    many layers the process has made, so the rules match the names the block's code gives.
+    A ``"column"`` Dense whose activation mixes its units (softmax) is refused, naming it.
+    Keras's own variable paths name sublayers by generated names
+    (``sequential/block/dense_1/kernel``) that depend on how many layers the process has made,
+    so the rules match the names the block's code gives.
 
     A block layer with matching sublayers is rebuilt from its config (``from_config``, public
     Keras API: it must have ``get_config``) and its sublayers are replaced, before it is built,
