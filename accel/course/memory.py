@@ -125,7 +125,9 @@ def _sum_and_squares(seed):
 def check_one_buffer(answer) -> str:
     """04, exercise 1: a function of ``seed`` with the value of ``sum_and_squares`` (an 8 MiB
     tensor ``a``: ``sum(a * a) + sum(a)``) whose measured peak is one 8 MiB buffer. The peak is the
-    allocator's (``measure.peak_during``, largest of three runs after a warm-up), so the check
+    allocator's (``measure.peak_during``, the smallest of three runs after a warm-up: the
+    allocator is shared by the whole process, so one run's peak can include a buffer still held
+    elsewhere, while an order that needs two buffers needs them in every run), so the check
     needs ``TF_CPU_ALLOCATOR_USE_BFC=true`` as chapter 04 sets it. An element-wise op writes into
     its input's buffer when nothing else will read that input (TensorFlow's buffer forwarding):
     ``tf.square(a)`` can reuse ``a``'s buffer only if the sum of ``a`` has already run."""
@@ -138,7 +140,7 @@ def check_one_buffer(answer) -> str:
     if not np.isclose(got, want, rtol=1e-3):
         return f"exercise 1: the value changed ({got:.6g}, expected {want:.6g})"
     try:
-        peak = max(peak_during(lambda: step(seed), memory_device())[0] for _ in range(3))
+        peak = min(peak_during(lambda: step(seed), memory_device())[0] for _ in range(3))
     except ValueError:
         return "exercise 1: no allocator statistics: set TF_CPU_ALLOCATOR_USE_BFC=true first"
     mib = round(peak / MIB)
