@@ -154,6 +154,18 @@ def first_gradients(model, x, y, microbatches=1):
 
 
 
+@pytest.fixture
+def float64_keras():
+    """floatx float64 for a test, as a float64 user sets it: Keras computes the compiled loss
+    in floatx (else fit itself fails adding a float32 loss to float64 regularizers). Both
+    floatx and the global dtype policy (which a test may set) are put back as they were."""
+    before = keras.config.floatx(), keras.config.dtype_policy().name
+    keras.config.set_floatx("float64")
+    yield
+    keras.config.set_floatx(before[0])
+    keras.config.set_dtype_policy(before[1])
+
+
 @pytest.fixture(scope="session")
 def keras_zoo():
     """The models (``mlp``, ``transformer``, ``cnn``: float64 ``Sequential`` s), optimizers by

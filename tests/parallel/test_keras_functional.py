@@ -21,13 +21,7 @@ BATCH, STEPS = 16, 3
 SLOW = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def float64_keras():
-    before = keras.config.floatx(), keras.config.dtype_policy().name
-    keras.config.set_floatx("float64")
-    yield
-    keras.config.set_floatx(before[0])
-    keras.config.set_dtype_policy(before[1])
+pytestmark = pytest.mark.usefixtures("float64_keras")  # tests/parallel/conftest.py
 
 
 @keras.saving.register_keras_serializable("accel_tests_functional")

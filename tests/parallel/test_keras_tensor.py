@@ -305,41 +305,37 @@ class _SequentialMLPBlock(keras.layers.Layer):
         return {**super().get_config(), "width": self.width}
 
 
-def test_rules_reach_a_sequential_held_by_a_block(four_devices):
+def test_rules_reach_a_sequential_held_by_a_block(four_devices, float64_keras):
     """A block's ``self.ffn = keras.Sequential([...])``: its layers are reached by position
     (``block/ffn/0``), split, and the model trains as Keras's fit on one device (float64, an
     embedding's sparse gradient included)."""
-    before = keras.config.floatx()
-    keras.config.set_floatx("float64")
-    try:
-        def make():
-            keras.utils.set_random_seed(0)
-            return keras.Sequential([
-                keras.Input((5,), dtype="int32"), keras.layers.Embedding(12, 8, dtype="float64"),
-                _SequentialMLPBlock(8, dtype="float64", name="block"),
-                keras.layers.GlobalAveragePooling1D(dtype="float64"),
-                keras.layers.Dense(3, dtype="float64")])
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((5,), dtype="int32"), keras.layers.Embedding(12, 8, dtype="float64"),
+            _SequentialMLPBlock(8, dtype="float64", name="block"),
+            keras.layers.GlobalAveragePooling1D(dtype="float64"),
+            keras.layers.Dense(3, dtype="float64")])
 
-        rng = np.random.default_rng(1)
-        x, y = rng.integers(0, 12, (48, 5)).astype("int32"), rng.integers(0, 3, 48)
-        ref = make()
-        ref.compile(optimizer=keras.optimizers.Adam(0.02), run_eagerly=True,
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        ref.fit(x, y, batch_size=16, shuffle=False, verbose=0)
-        model = make()
-        par = tp.TensorParallel(model, four_devices[:2],
-                                {"block/attn": "heads", "block/ffn/0": "column",
-                                 "block/ffn/2": "row"},
-                                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                                optimizer=keras.optimizers.Adam(0.02))
-        assert par.kinds == {"block/attn": "heads", "block/ffn/0": "column",
-                             "block/ffn/2": "row"}
-        for path in ("block/ffn/0", "block/ffn/2"):
-            shards = [w for w in par.parallel_layers[path].weights if "kernel" in w.path]
-            assert [short_device(w.value.device) for w in shards] == four_devices[:2], path
-        par.fit(x, y, batch_size=16, shuffle=False, verbose=0)
-        scale = max(np.abs(w).max() for w in ref.get_weights())
-        for a, b in zip(model.get_weights(), ref.get_weights(), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * scale)
-    finally:
-        keras.config.set_floatx(before)
+    rng = np.random.default_rng(1)
+    x, y = rng.integers(0, 12, (48, 5)).astype("int32"), rng.integers(0, 3, 48)
+    ref = make()
+    ref.compile(optimizer=keras.optimizers.Adam(0.02), run_eagerly=True,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ref.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    model = make()
+    par = tp.TensorParallel(model, four_devices[:2],
+                            {"block/attn": "heads", "block/ffn/0": "column",
+                             "block/ffn/2": "row"},
+                            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                            optimizer=keras.optimizers.Adam(0.02))
+    assert par.kinds == {"block/attn": "heads", "block/ffn/0": "column",
+                         "block/ffn/2": "row"}
+    for path in ("block/ffn/0", "block/ffn/2"):
+        shards = [w for w in par.parallel_layers[path].weights if "kernel" in w.path]
+        assert [short_device(w.value.device) for w in shards] == four_devices[:2], path
+    par.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    scale = max(np.abs(w).max() for w in ref.get_weights())
+    for a, b in zip(model.get_weights(), ref.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * scale)
+
