@@ -122,15 +122,49 @@ def _sum_and_squares(seed):
     return tf.reduce_sum(tf.square(a)) + tf.reduce_sum(a)
 
 
+_FRESH_PEAK = """
+import base64, json
+import tensorflow as tf
+from accel.memory.measure import memory_device, peak_during
+spec = json.loads({spec!r})
+graph = tf.compat.v1.GraphDef.FromString(base64.b64decode(spec["graph"]))
+def imported(seed):
+    return tf.graph_util.import_graph_def(graph, input_map={{spec["input"]: seed}},
+                                          return_elements=[spec["output"]])[0]
+step = tf.compat.v1.wrap_function(imported, [tf.TensorSpec([2], tf.int32)])
+seed = tf.constant([0, 5])
+step(seed)
+print(min(peak_during(lambda: step(seed), memory_device())[0] for _ in range(3)))
+"""
+
+
+def _fresh_peak(step, seed) -> int:
+    """The peak of ``step(seed)`` (a ``tf.function``) measured in a fresh process, from its
+    traced graph: no buffer of this process's other work is held there while it runs."""
+    import base64
+    import json
+
+    from accel.procs import run_python
+
+    traced = step.get_concrete_function(seed)
+    spec = {"graph": base64.b64encode(traced.graph.as_graph_def().SerializeToString()).decode(),
+            "input": traced.inputs[0].name, "output": traced.outputs[0].name}
+    out = run_python(_FRESH_PEAK.format(spec=json.dumps(spec)),
+                     env={"TF_CPU_ALLOCATOR_USE_BFC": "true"}, warm=True)
+    return int(out.split()[-1])
+
+
 def check_one_buffer(answer) -> str:
     """04, exercise 1: a function of ``seed`` with the value of ``sum_and_squares`` (an 8 MiB
     tensor ``a``: ``sum(a * a) + sum(a)``) whose measured peak is one 8 MiB buffer. The peak is the
-    allocator's (``measure.peak_during``, the smallest of three runs after a warm-up: the
-    allocator is shared by the whole process, so one run's peak can include a buffer still held
-    elsewhere, while an order that needs two buffers needs them in every run), so the check
-    needs ``TF_CPU_ALLOCATOR_USE_BFC=true`` as chapter 04 sets it. An element-wise op writes into
-    its input's buffer when nothing else will read that input (TensorFlow's buffer forwarding):
-    ``tf.square(a)`` can reuse ``a``'s buffer only if the sum of ``a`` has already run."""
+    allocator's (``measure.peak_during``, the smallest of three runs after a warm-up), so the
+    check needs ``TF_CPU_ALLOCATOR_USE_BFC=true`` as chapter 04 sets it. The allocator is
+    shared by the whole process: a buffer some other work allocates while the step runs adds
+    to the peak, never takes from it. So a peak of one buffer is final, and a larger one is
+    measured again in a fresh process before the check says "not yet". An element-wise op
+    writes into its input's buffer when nothing else will read that input (TensorFlow's buffer
+    forwarding): ``tf.square(a)`` can reuse ``a``'s buffer only if the sum of ``a`` has
+    already run."""
     if answer is None:
         return "exercise 1: not answered yet"
     seed = tf.constant([0, 5])
@@ -143,6 +177,8 @@ def check_one_buffer(answer) -> str:
         peak = min(peak_during(lambda: step(seed), memory_device())[0] for _ in range(3))
     except ValueError:
         return "exercise 1: no allocator statistics: set TF_CPU_ALLOCATOR_USE_BFC=true first"
+    if round(peak / MIB) > 8:
+        peak = min(peak, _fresh_peak(step, seed))
     mib = round(peak / MIB)
     if mib <= 8:
         return f"exercise 1: correct: {mib} MiB, one buffer reused in place"

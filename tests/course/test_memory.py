@@ -41,6 +41,16 @@ def test_04_exercise_1_one_buffer():
         lambda seed: tf.reduce_sum(tf.random.stateless_uniform((1024, 2048), seed=seed)))
 
 
+def test_04_exercise_1_fresh_process_measures_the_same_orders():
+    # a peak above one buffer is measured again in a fresh process (this one's other work can
+    # add to the shared allocator's peak): that measurement must still tell the orders apart
+    seed = tf.constant([0, 5])
+    for fn, mib in ((_sum_first, 8), (_square_first, 16)):
+        step = tf.function(fn)
+        step(seed)
+        assert round(course_memory._fresh_peak(step, seed) / 2**20) == mib
+
+
 def test_05_exercise_1_half_pays():
     # float32 keeps the two ReLU outputs: 2 * 512 * 4 = 4096 B per example. mixed_float16 keeps
     # them in float16 plus the float16 input (3 * 512 * 2 = 3072 B per example) and float16
