@@ -46,4 +46,18 @@ def make_update(optimizer, variables: Sequence, device: str | None = None,
     if hasattr(optimizer, "build") and not getattr(optimizer, "built", True):
         with tf.device(device):
             optimizer.build(list(variables))
-    return lambda pairs: optimizer.apply_gradients([(g, v) for g, v in pairs if g is not None])
+    compiled: dict[tuple[int, ...], Callable] = {}
+
+    def apply(pairs):
+        pairs = [(g, v) for g, v in pairs if g is not None]
+        if tf.inside_function() or not pairs:  # a caller's graph compiles it already
+            return optimizer.apply_gradients(pairs)
+        # one compiled update per set of variables: an eager Keras update dispatches a dozen
+        # small ops per variable from Python, several times the cost of a small model's step
+        key = tuple(id(v) for _, v in pairs)
+        if key not in compiled:
+            held = [v for _, v in pairs]
+            compiled[key] = tf.function(
+                lambda grads: optimizer.apply_gradients(zip(grads, held, strict=True)))
+        return compiled[key]([g for g, _ in pairs])
+    return apply

@@ -24,7 +24,8 @@ from accel.training import squared_error
 
 __all__ = ["dense_stages", "square_stages", "one_device_step", "make_batch", "measure_bubble",
            "stage_phase_times", "measure_fresh", "layer_times", "bench", "figure_schedules",
-           "figure_bubble", "check_exercise", "replay_idle", "handoff_gaps", "dependency_check",
+           "figure_bubble", "check_exercise", "overhead_model", "measure_overhead",
+           "overhead_report", "bench_overhead", "replay_idle", "handoff_gaps", "dependency_check",
            "overlap_share", "count_messages", "ResidualDense", "residual_mlp", "keras_reference",
            "max_relative_difference"]
 
@@ -402,6 +403,104 @@ def bench_keras(device_names: Sequence[str], quick: bool = False) -> dict:
     measured = timing.measure_ceiling()
     print(timing.ceiling_line(measured))
     return {"results": result, "ceiling": measured.value}
+
+
+_OVERHEAD_FORMS = {  # every other form on one device: name -> (form, options)
+    "towers (data)": ("data", {}),
+    "split (model)": ("model", {}),
+    "tensor": ("tensor", {"rules": {"hidden_[02]": "column", "hidden_[13]": "row"}}),
+    "zero stage 1": ("zero", {"stage": 1}),
+    "zero stage 3": ("zero", {"stage": 3}),
+    "offload (host: device 2)": ("offload", {"host": None}),
+    "accumulate x2": ("accumulate", {"accumulation_steps": 2}),
+}
+
+
+def overhead_model(width: int = 256, depth: int = 4, inputs: int = 64):
+    """The overhead benchmark's model: Dense ``inputs -> width (ReLU) x depth -> 1``."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((inputs,))]
+                            + [keras.layers.Dense(width, "relu", name=f"hidden_{k}")
+                               for k in range(depth)]
+                            + [keras.layers.Dense(1, name="out")])
+
+
+def measure_overhead(devices_: Sequence[str], steps: int = 8, batch: int = 64, rounds: int = 5,
+                     others: bool = True) -> dict:
+    """Seconds per step of ``fit(epochs=1)`` over ``steps`` batches of ``batch`` (write-back
+    included), the median of ``rounds`` interleaved calls, for Keras's ``fit`` on one device,
+    ``Pipeline`` with p = 1, m = 1, with p = 2, m = 4 (1F1B, and interleaved with v = 2), the
+    same two-stage cut on one device (one thread runs all 16 tasks: no hand-offs between
+    threads, no devices competing) and, with ``others``, every other form on one device."""
+    from accel.parallel.forms import make_form
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * batch, 64)).astype(np.float32)
+    y = rng.normal(size=(steps * batch, 1)).astype(np.float32)
+
+    def adam():
+        return keras.optimizers.Adam(1e-3)
+
+    def fitting(trainer):
+        return lambda: trainer.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+
+    keras_model = overhead_model()
+    keras_model.compile(optimizer=adam(), loss="mse")
+    one, two = list(devices_[:1]), list(devices_[:2])
+    pipelines = {"pipeline p=1 m=1": (one, 1, "1f1b", 1),
+                 "pipeline p=2 m=4 1F1B": (two, 4, "1f1b", 1),
+                 "pipeline p=2 m=4 interleaved v=2": (two, 4, "interleaved", 2),
+                 "2 stages on 1 device, m=4": (one, 4, "interleaved", 2)}
+    fns = {"keras fit": fitting(keras_model)}
+    for name, (devs, m, schedule, v) in pipelines.items():
+        fns[name] = fitting(make_form("pipeline", overhead_model(), devs, loss="mse",
+                                      optimizer=adam(), num_microbatches=m, schedule=schedule,
+                                      num_chunks=v))
+    if others:
+        for name, (form, options) in _OVERHEAD_FORMS.items():
+            # offload's host: the second device (on a GPU machine, a CPU would be the host)
+            options = {k: (two[-1] if k == "host" else v) for k, v in options.items()}
+            fns[name] = fitting(make_form(form, overhead_model(), one, loss="mse",
+                                          optimizer=adam(), **options))
+    medians = timing.interleaved_medians(fns, rounds=rounds, repeat=1, warmup=1)
+    return {k: v / steps for k, v in medians.items()}
+
+
+def overhead_report(step_s: dict) -> dict:
+    """Ratios to ``fit`` and the per-task overhead: (step at p = 2, m = 4 - ``fit``'s step) /
+    16 tasks (2 stages x 4 micro-batches x forward and backward); the interleaved run has 32
+    tasks, and the one-device run the same 16 tasks as 1F1B."""
+    fit = step_s["keras fit"]
+    tasks = {"pipeline p=2 m=4 1F1B": 16, "pipeline p=2 m=4 interleaved v=2": 32,
+             "2 stages on 1 device, m=4": 16}
+    return {"ratio": {k: v / fit for k, v in step_s.items()},
+            "per_task_s": {k: (step_s[k] - fit) / n for k, n in tasks.items() if k in step_s}}
+
+
+_FRESH_OVERHEAD = """
+import json
+import accel.course  # noqa: F401
+from accel import devices
+from accel.course import pipeline as cp
+names = devices.setup(2)
+print("RESULT" + json.dumps(cp.measure_overhead(names, **{kwargs!r})))
+"""
+
+
+def bench_overhead(device_names: Sequence[str], quick: bool = False) -> dict:
+    """``python -m accel bench pipeline-overhead``: a pipeline's host cost per task against
+    Keras's ``fit`` (a fresh process, 2 devices, TensorFlow's default threads), and every
+    other form's step on one device against ``fit``; this machine's ceiling beside."""
+    kw = dict(steps=2, rounds=1, others=False) if quick else {}
+    out = procs.run_python(_FRESH_OVERHEAD.format(kwargs=kw), timeout=600, warm=True)
+    step_s = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT"))[6:])
+    report = overhead_report(step_s)
+    print(timing.format_ratios(step_s, "keras fit"))
+    for name, per_task in report["per_task_s"].items():
+        print(f"per-task overhead, {name}: {per_task * 1e3:.2f} ms")
+    measured = timing.measure_ceiling()
+    print(timing.ceiling_line(measured))
+    return {"step_s": step_s, **report, "ceiling": measured.value}
 
 
 def figure_schedules(num_microbatches: int = 8, num_stages: int = 4):

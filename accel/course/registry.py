@@ -47,6 +47,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "keras-pipeline": ("accel.course.pipeline:bench_keras",
                        "a Keras model pipelined: 1F1B and interleaved 1F1B idle share vs "
                        "(p-1)/(vm+p-1) on 2 devices (chapter 10)"),
+    "pipeline-overhead": ("accel.course.pipeline:bench_overhead",
+                          "a pipeline's host cost per task, and every form's step on one "
+                          "device, against Keras fit (chapter 10)"),
     "tensor-parallel": ("accel.course.tensor_parallel:bench",
                         "tensor-parallel MLP and block vs one device, DTensor vs by hand, bytes "
                         "sent vs the formula (chapter 11)"),

@@ -175,7 +175,7 @@ class Form:
         progress bar (``verbose="auto"`` or 1; 0: none) and ``callbacks`` (called as Keras's
         ``fit`` calls them, with the user's model as their model; ``model.stop_training = True``
         ends training after the batch). ``write_back()`` runs before every ``on_epoch_end``
-        and before ``on_train_end``, so that callbacks that read or save the model see the
+        (so also before ``on_train_end``), so that callbacks that read or save the model see the
         trained weights. Returns the ``keras.callbacks.History`` (each epoch's loss: the mean
         over its examples). ``sample_weight`` / ``class_weight``: ``ValueError``."""
         checks.positive_int("epochs", epochs)
@@ -238,6 +238,5 @@ class Form:
             hooks.on_epoch_end(epoch, {"loss": total / max(count, 1)})
             if model.stop_training:
                 break
-        self.write_back()
-        hooks.on_train_end()
+        hooks.on_train_end()  # the last epoch's weights were written back before its end
         return next(c for c in hooks.callbacks if isinstance(c, keras.callbacks.History))

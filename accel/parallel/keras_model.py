@@ -118,9 +118,14 @@ def copy_layer(layer):
 
 
 def write_back(layers: Sequence, copies: Sequence) -> None:
-    """Each copy's weights into the layer it was copied from (same order)."""
+    """Each copy's weights into the layer it was copied from (same order), variable to
+    variable (no trip through NumPy)."""
     for layer, copy in zip(layers, copies, strict=True):
-        layer.set_weights(copy.get_weights())
+        if len(layer.weights) != len(copy.weights):
+            raise ValueError(f"layer {layer.name} has {len(layer.weights)} weights, its copy "
+                             f"{len(copy.weights)}")
+        for mine, theirs in zip(layer.weights, copy.weights, strict=True):
+            mine.assign(theirs.value)
 
 
 def fresh_optimizer(optimizer):

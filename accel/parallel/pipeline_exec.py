@@ -63,6 +63,36 @@ class Stage:
     device: str
     adds_losses: bool = False
     bundles: bool = False  # fn takes and returns tuples of tensors (a graph part's bundles)
+    traced: bool = False  # each task one call of a tf.function (fn, its terms and the loss)
+    _traced_fns: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def output_fn(self, loss_fn: Callable | None) -> Callable:
+        """``out(x, y, share) -> (output, added)``: ``fn`` on ``x`` and the terms its layers
+        added (``None`` if none), both weighted by ``share``; with ``loss_fn`` (the last stage)
+        the output is the loss of ``y``, weighted by ``share``, and the terms are in it.
+        ``traced``: one ``tf.function`` per ``loss_fn``, so a task dispatches one call
+        instead of every op from Python; under a tape, its gradient is one call too."""
+        key = id(loss_fn)
+        if key not in self._traced_fns:
+            def out(x, y, share):
+                with tf.device(self.device):
+                    return _stage_output(self, loss_fn, x, y, share)
+            self._traced_fns[key] = (tf.function(out) if self.traced else out, loss_fn)
+        return self._traced_fns[key][0]
+
+
+def _stage_output(stage: Stage, loss_fn, x, y, share):
+    out, extra = stage.fn(stage.params, x), None
+    if stage.adds_losses:
+        out, terms = out
+        extra = km.added_loss(terms)
+        extra = None if extra is None else extra * tf.cast(share, extra.dtype)
+    if loss_fn is not None:
+        out = km.outputs_loss(loss_fn, y, out if isinstance(out, tuple) else (out,))
+        out = out * tf.cast(share, out.dtype)
+        if extra is not None:
+            out, extra = out + tf.cast(extra, out.dtype), None
+    return out, extra
 
 
 @dataclass
@@ -90,12 +120,10 @@ def split_microbatches(x, y, num_microbatches: int) -> list[tuple[tf.Tensor, tf.
     if n % num_microbatches or labels != {n}:
         raise ValueError(f"a batch of {n} examples (inputs and labels: {sorted(labels)}) does "
                          f"not split into {num_microbatches} equal micro-batches")
-    size = n // num_microbatches
-
-    def cut(k):
-        return tf.nest.map_structure(lambda t: t[k * size:(k + 1) * size], (x, y))
-
-    return [cut(k) for k in range(num_microbatches)]
+    flat = tf.nest.flatten((x, y))
+    pieces = [tf.split(t, num_microbatches) for t in flat]  # one op per tensor, not per piece
+    return [tf.nest.pack_sequence_as((x, y), [p[k] for p in pieces])
+            for k in range(num_microbatches)]
 
 
 def layer_stages(layers: Sequence, balance: Sequence[int], devices: Sequence[str]) -> list[Stage]:
@@ -132,6 +160,8 @@ class _Run:
     def __init__(self, stages, micro, loss_fn, recompute, clock, loss_scale=None):
         self.stages, self.micro, self.loss_fn = stages, micro, loss_fn
         self.loss_scale = loss_scale
+        rows = [int(tf.nest.flatten(m[0])[0].shape[0]) for m in micro]
+        self.shares = [r / sum(rows) for r in rows]
         self.recompute, self.clock = recompute, clock
         self.done: dict[Task, threading.Event] = {}
         self.outputs: dict[tuple[int, int], tf.Tensor] = {}   # (stage, mb) -> forward output
@@ -185,24 +215,12 @@ class _Run:
             self.peak[s] = max(self.peak[s], self.held[s])
 
     def _stage_out(self, s: int, i: int, x):
-        """``(output, added)``: the stage's output (on the last stage, the micro-batch's loss
-        weighted by its share) and the terms its layers added to the loss, weighted by the same
-        share (``None`` if none)."""
-        stage = self.stages[s]
-        rows = int(tf.nest.flatten(x)[0].shape[0])
-        share = rows / sum(int(tf.nest.flatten(m[0])[0].shape[0]) for m in self.micro)
-        out, extra = stage.fn(stage.params, x), None
-        if stage.adds_losses:
-            out, terms = out
-            extra = km.added_loss(terms)
-            extra = None if extra is None else extra * tf.cast(share, extra.dtype)
-        if s == len(self.stages) - 1:
-            out = km.outputs_loss(self.loss_fn, self.micro[i][1],
-                                  out if isinstance(out, tuple) else (out,))
-            out = out * tf.cast(share, out.dtype)
-            if extra is not None:
-                out, extra = out + tf.cast(extra, out.dtype), None
-        return out, extra
+        """``(output, added)`` of stage ``s`` on micro-batch ``i`` (``Stage.output_fn``): on
+        the last stage the micro-batch's loss; each weighted by its share of the batch."""
+        last = s == len(self.stages) - 1
+        share = tf.constant(self.shares[i], tf.float32)
+        return self.stages[s].output_fn(self.loss_fn if last else None)(
+            x, self.micro[i][1] if last else None, share)
 
     def backward(self, s: int, i: int) -> None:
         stage, last = self.stages[s], s == len(self.stages) - 1
@@ -405,7 +423,7 @@ class Pipeline(Form):
                        for gp, device in zip(self.graph_parts, stage_devices_, strict=True)]
         self.stages = [Stage(_graph_stage_fn(gp, copies),
                              [w for c in copies for w in c.trainable_weights], device,
-                             adds_losses=True, bundles=True)
+                             adds_losses=True, bundles=True, traced=True)
                        for gp, copies, device in zip(self.graph_parts, self.copies,
                                                      stage_devices_, strict=True)]
         self._pipeline_step = make_pipeline_step(self.stages, self.loss_fn, self.optimizer,
