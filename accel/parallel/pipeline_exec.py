@@ -380,9 +380,12 @@ class Pipeline(Form):
     * ``train_step``, ``fit`` (Keras's habits; batches a multiple of ``num_microbatches``) and
       ``write_back``: ``accel.parallel.form.Form``'s.
 
-    Not under ``model.fit``: the stages run in one Python thread per device, each task an
-    eager call of its stage's layers, so that devices overlap as the schedule says; Keras's
-    ``fit`` compiles one function per step. ``recompute=True`` keeps only each stage's input
+    Not under ``model.fit``: the stages run in one Python thread per device, so that devices
+    overlap as the schedule says; each task is one call of a ``tf.function`` of its stage's
+    layers (and, on the last stage, the loss), recorded by an eager ``GradientTape`` whose
+    gradient is one call of the function's traced backward (``python -m accel bench
+    pipeline-overhead`` measures what a task costs beyond its compute). Keras's ``fit``
+    compiles one function per step. ``recompute=True`` keeps only each stage's input
     and runs its forward again in the backward (refused for layers with non-trainable state,
     e.g. BatchNormalization, whose moving statistics would be updated twice).
 
