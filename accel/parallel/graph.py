@@ -39,7 +39,7 @@ from accel.parallel import partition
 from accel.parallel.keras_model import copy_layer
 
 __all__ = ["Ref", "Call", "ModelGraph", "Part", "model_graph", "split_sizes", "cut",
-           "crossings", "copy_part", "run_part", "zeros_bundle"]
+           "crossings", "copy_part", "run_part", "zeros_bundle", "fill"]
 
 Ref = tuple  # (layer name, output index): one tensor of the graph
 
@@ -254,13 +254,14 @@ def crossings(graph: ModelGraph, parts: Sequence[Part]) -> list[list[tuple]]:
     return out
 
 
-def _fill(value, values):
+def fill(value, values):
+    """A call's argument structure with each tensor of the graph taken from ``values``."""
     if isinstance(value, _Hole):
         return values[value.ref]
     if isinstance(value, dict):
-        return {k: _fill(v, values) for k, v in value.items()}
+        return {k: fill(v, values) for k, v in value.items()}
     if isinstance(value, list):
-        return [_fill(v, values) for v in value]
+        return [fill(v, values) for v in value]
     return value
 
 
@@ -271,7 +272,7 @@ def run_part(part: Part, copies: Sequence, bundle: Sequence, training: bool = Tr
     values = dict(zip(part.inputs, bundle, strict=True))
     terms = []
     for call, layer in zip(part.calls, copies, strict=True):
-        args, kwargs = _fill(call.args, values), _fill(call.kwargs, values)
+        args, kwargs = fill(call.args, values), fill(call.kwargs, values)
         kwargs = {k: v for k, v in kwargs.items() if k != "training"}
         out = layer(*args, training=training, **kwargs)
         outs = out if isinstance(out, list | tuple) else [out]

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from accel import checks
 from accel.collectives import on_device
+from accel.parallel import graph
 from accel.parallel import keras_model as km
 from accel.parallel.form import Form, device_list, keras_optimizer_factory
 
@@ -402,7 +403,8 @@ def _parallel_layer(layer, kind: str, devices: Sequence[str], gather_output: boo
 
 
 class TensorParallel(Form):
-    """A Keras ``Sequential``'s layers converted to tensor-parallel ones by rules, in the spirit
+    """A Keras model's layers (a ``Sequential``, or a functional model: its graph of layer
+    calls, ``accel.parallel.graph``) converted to tensor-parallel ones by rules, in the spirit
     of Keras 3's ``LayoutMap``: ``rules`` maps a regular expression to a kind, ``"column"`` or
     ``"row"`` for a ``Dense`` (``ColumnParallelDense`` / ``RowParallelDense``) and ``"heads"`` for
     a ``MultiHeadAttention`` (``HeadParallelAttention``). The first rule whose pattern is found
@@ -427,7 +429,8 @@ class TensorParallel(Form):
     the original does.
 
     A ``"column"`` layer directly followed by a ``"row"`` one hands its column slices straight
-    over, without a gather (Megatron's MLP): in the Sequential when they are neighbours, in a
+    over, without a gather (Megatron's MLP): at the top level when the row layer is the one
+    reader of the column layer's output (neighbours in a Sequential), in a
     block when the row layer is the next sublayer attribute after the column one and the block,
     run once with the slices handed over, gives the original's output; otherwise (the block uses
     the column output elsewhere) the column layer gathers its output. ``handoffs`` lists the
@@ -452,7 +455,9 @@ class TensorParallel(Form):
         if (loss is None) != (optimizer is None):
             raise ValueError("give both loss and optimizer (or neither, and call compile)")
         self.original_model = model
-        layers = km.sequential_layers(model)
+        self.graph = graph.model_graph(model)  # a Sequential's chain, or a functional graph
+        calls = self.graph.calls
+        layers = [c.layer for c in calls]
         self.devices = device_list(devices)
         compiled = []
         for pattern, kind in rules.items():
@@ -485,40 +490,49 @@ class TensorParallel(Form):
                              f"{paths}")
         self.original, self.handoffs, self.parallel_layers = layers, [], {}
         self._leaves: list[list] = []  # per top-level layer: (original, parallel, path)
-        dtype = model.inputs[0].dtype
-        x = tf.constant(np.random.default_rng(0).normal(size=(2, *km.input_shape_of(model))),
-                        dtype=dtype)
+        readers: dict = {}  # tensor -> the calls that read it
+        for i, c in enumerate(calls):
+            for ref in c.reads():
+                readers.setdefault(ref, []).append(i)
+        rng = np.random.default_rng(0)
+        ref_values = {ref: _sample(rng, *self.graph.specs[ref]) for ref in self.graph.inputs}
+        par_values = dict(ref_values)
         new = []
         with tf.device(self.devices[0]):
-            x_par = x
-            for i, layer in enumerate(layers):
-                feeds_row = i + 1 < len(layers) and self.kinds.get(layers[i + 1].name) == "row"
-                x_ref = layer(x, training=False)
-                copy, leaves, handoffs = self._convert(layer, x_par, handoff=True,
+            for i, (c, layer) in enumerate(zip(calls, layers, strict=True)):
+                # a column layer whose one output only a row layer reads hands its slices over
+                after = readers.get(c.outputs[0], []) if len(c.outputs) == 1 else []
+                feeds_row = (len(after) == 1 and c.outputs[0] not in self.graph.outputs
+                             and self.kinds.get(calls[after[0]].name) == "row")
+                args_ref, kwargs_ref = _call_values(c, ref_values)
+                args, kwargs = _call_values(c, par_values)
+                x_ref = layer(*args_ref, training=False, **kwargs_ref)
+                copy, leaves, handoffs = self._convert(layer, args, kwargs, handoff=True,
                                                        feeds_row=feeds_row)
-                y = None if handoffs is None else copy(x_par, training=False)
+                y = None if handoffs is None else copy(*args, training=False, **kwargs)
                 if handoffs is None or (handoffs and not _close(y, x_ref)):
-                    copy, leaves, handoffs = self._convert(layer, x_par, handoff=False)
-                    y = copy(x_par, training=False)
+                    copy, leaves, handoffs = self._convert(layer, args, kwargs, handoff=False)
+                    y = copy(*args, training=False, **kwargs)
                 if feeds_row and layer.name in self.kinds:
-                    handoffs = [(layer.name, layers[i + 1].name)]
+                    handoffs = [(layer.name, calls[after[0]].name)]
                 if not isinstance(y, tuple) and not _close(y, x_ref):
                     raise ValueError(f"the converted {layer.name} does not compute what the "
                                      "original does on random input (its call uses a replaced "
                                      "sublayer in a way the parallel layer does not support)")
                 self.handoffs += handoffs
                 self._leaves.append(leaves)
-                self.parallel_layers.update({p: c for _, c, p in leaves})
+                self.parallel_layers.update({p: cp for _, cp, p in leaves})
                 new.append(copy)
-                x, x_par = x_ref, y
-            self.model = keras.Sequential([keras.Input(km.input_shape_of(model), dtype=dtype),
-                                           *new])
+                _store(c.outputs, x_ref, ref_values)
+                _store(c.outputs, y, par_values, handed_over=isinstance(y, tuple))
+            self.model = _rebuilt(model, self.graph, new)
         self.layers = new
         if loss is not None:
             self.compile(optimizer, loss)
 
-    def _convert(self, layer, x, handoff: bool, feeds_row: bool = False):
-        """``(copy, leaves, handoffs)``: ``layer``'s copy, built on ``x`` and holding its weights,
+    def _convert(self, layer, args, kwargs, handoff: bool, feeds_row: bool = False):
+        """``(copy, leaves, handoffs)``: ``layer``'s copy, built on its call's ``args`` and
+        ``kwargs`` and holding its weights,
         with the matching (sub)layers parallel; ``handoffs`` is ``None`` when the copy with
         slices handed over failed to run."""
         path = layer.name
@@ -533,7 +547,7 @@ class TensorParallel(Form):
             with warnings.catch_warnings():  # about the replaced sublayers, never built
                 warnings.filterwarnings("ignore", message=".*does not have a `build",
                                         category=UserWarning)
-                copy(x, training=False)  # builds the rest, here
+                copy(*args, training=False, **kwargs)  # builds the rest, here
         except Exception:
             if not handoffs:
                 raise
@@ -606,6 +620,47 @@ class TensorParallel(Form):
 
     def optimizer_variables(self) -> list:
         return [] if self.model.optimizer is None else list(self.model.optimizer.variables)
+
+
+def _sample(rng, shape, dtype) -> tf.Tensor:
+    """Two random examples of a model input: normal floats, or 0/1 for integer inputs (token
+    ids valid for any vocabulary)."""
+    dtype = tf.as_dtype(dtype)
+    if dtype.is_integer:
+        return tf.constant(rng.integers(0, 2, size=(2, *shape)), dtype=dtype)
+    return tf.constant(rng.normal(size=(2, *shape)), dtype=dtype)
+
+
+def _call_values(call, values) -> tuple[list, dict]:
+    """A call's arguments with the graph's tensors filled in from ``values`` (no
+    ``training``: the caller gives it)."""
+    args, kwargs = graph.fill(call.args, values), graph.fill(call.kwargs, values)
+    return args, {k: v for k, v in kwargs.items() if k != "training"}
+
+
+def _store(refs, out, values, handed_over: bool = False) -> None:
+    """A call's output(s) under its references (column slices handed over: one value)."""
+    outs = [out] if handed_over or not isinstance(out, list | tuple) else list(out)
+    values.update(zip(refs, outs, strict=True))
+
+
+def _rebuilt(model, model_graph: graph.ModelGraph, layers: list):
+    """A Keras model calling ``layers`` (aligned with the graph's calls) as ``model`` calls
+    its own: a ``Sequential`` for a ``Sequential``, else a functional model."""
+    if isinstance(model, keras.Sequential):
+        return keras.Sequential([keras.Input(km.input_shape_of(model),
+                                             dtype=model.inputs[0].dtype), *layers])
+    inputs = [keras.Input(model_graph.specs[r][0], dtype=model_graph.specs[r][1], name=r[0])
+              for r in model_graph.inputs]
+    values = dict(zip(model_graph.inputs, inputs, strict=True))
+    for call, layer in zip(model_graph.calls, layers, strict=True):
+        args, kwargs = _call_values(call, values)
+        out = layer(*args, **kwargs)
+        _store(call.outputs, out, values, handed_over=isinstance(out, tuple)
+               and len(call.outputs) == 1)
+    outputs = [values[r] for r in model_graph.outputs]
+    return keras.Model(inputs if len(inputs) > 1 else inputs[0],
+                       outputs if len(outputs) > 1 else outputs[0])
 
 
 def _build_like(parallel, layer) -> None:

@@ -14,6 +14,7 @@ import tensorflow as tf
 from accel.parallel import graph
 from accel.parallel.model import ModelParallel
 from accel.parallel.pipeline_exec import Pipeline
+from accel.parallel.tensor import TensorParallel
 from accel.parallel.trace import transfers_of
 
 DT = "float64"
@@ -84,11 +85,24 @@ def data(name):
         return rng.normal(size=(n, 6, 6, 2)), rng.normal(size=(n, 3))
     if name == "text":
         return rng.integers(0, 12, (n, 5)).astype("int32"), rng.integers(0, 3, n)
+    if name == "mlp":
+        return rng.normal(size=(n, 4)), rng.normal(size=(n, 2))
     return [rng.normal(size=(n, 4)), rng.normal(size=(n, 3))], [rng.normal(size=(n, 2)),
                                                                  rng.normal(size=(n, 5))]
 
 
-MODELS = {"cnn": residual_cnn, "text": text_model, "two": two_in_two_out}
+def residual_mlp():
+    """Megatron's MLP at the top level of a functional model, in a residual branch: up's
+    output is read by down alone, so its column slices are handed over without a gather."""
+    keras.utils.set_random_seed(9)
+    inputs = keras.Input((4,), dtype=DT, name="x")
+    h = keras.layers.Dense(8, activation="relu", dtype=DT, name="up")(inputs)
+    h = keras.layers.Dense(4, dtype=DT, name="down")(h)
+    h = keras.layers.Add(dtype=DT, name="add")([inputs, h])
+    return keras.Model(inputs, keras.layers.Dense(2, dtype=DT, name="head")(h))
+
+
+MODELS = {"cnn": residual_cnn, "text": text_model, "two": two_in_two_out, "mlp": residual_mlp}
 
 
 def loss_of(name):
@@ -146,7 +160,7 @@ def make(form, name, devices):
 
 
 # the split on every model; the hybrid, each schedule on the models whose crossings test them
-CASES = ([("split", m) for m in MODELS]
+CASES = ([("split", m) for m in ("cnn", "text", "two")]
          + [("hybrid", "cnn"), ("hybrid", "two"), ("hybrid", "text"), ("gpipe", "two"),
             ("1f1b", "cnn"), ("1f1b", "text"), ("interleaved", "cnn"), ("interleaved", "two")])
 QUICK = {("split", "cnn"), ("1f1b", "cnn"), ("gpipe", "two"), ("hybrid", "text")}
@@ -167,6 +181,33 @@ def test_functional_models_equal_keras_fit(four_devices, form, name):
     for i, (a, b) in enumerate(zip(got, ref, strict=True)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * scale,
                                    err_msg=f"{form} on {name}: weight {i}")
+
+
+TP_RULES = {  # heads and Megatron's MLP inside the block's nested Sequential; top-level
+    "text": {"block/attn$": "heads", "block/ffn/0$": "column", "block/ffn/1$": "row"},
+    "two": {"^o1$": "column"},  # a model output: gathered
+    "mlp": {"^up$": "column", "^down$": "row"},  # up's one reader is down: handed over
+}
+
+
+@pytest.mark.parametrize("name", list(TP_RULES))
+def test_tensor_parallel_on_functional_models_equals_keras_fit(four_devices, name):
+    model = MODELS[name]()
+    tp = TensorParallel(model, four_devices[:2], TP_RULES[name], loss=loss_of(name),
+                        optimizer=optimizer_of(name))
+    assert isinstance(tp.model, keras.Model) and not isinstance(tp.model, keras.Sequential)
+    assert tp.handoffs == {"text": [("block/ffn/0", "block/ffn/1")], "two": [],
+                           "mlp": [("up", "down")]}[name]
+    x, _ = data(name)
+    for a, b in zip(tf.nest.flatten(tp.model.predict(rows(x, 0), verbose=0)),
+                    tf.nest.flatten(model.predict(rows(x, 0), verbose=0)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    train(tp, name)
+    ref = keras_fit(name)
+    scale = max(np.abs(w).max() for w in ref)
+    for i, (a, b) in enumerate(zip(model.get_weights(), ref, strict=True)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * scale,
+                                   err_msg=f"tensor on {name}: weight {i}")
 
 
 def test_a_skip_connection_passes_through_the_part_it_skips(four_devices):
@@ -227,6 +268,8 @@ def test_refusals(four_devices):
     sub(np.zeros((1, 3)))
     with pytest.raises(ValueError, match="subclassed model: .* functional model .*DataParallel"):
         ModelParallel(sub, four_devices[:2], **kw)
+    with pytest.raises(ValueError, match="subclassed model: .* functional model"):
+        TensorParallel(sub, four_devices[:2], {"dense": "column"}, **kw)
     shared = keras.layers.Dense(3, name="shared")
     x = keras.Input((3,))
     twice = keras.Model(x, shared(shared(x)))
