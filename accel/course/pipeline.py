@@ -433,7 +433,8 @@ def bench_keras(device_names: Sequence[str], quick: bool = False) -> dict:
               f"{'met' if not off else 'missed at ' + str(off)}")
         inter, plain = runs.get("interleaved v=2", {}), runs.get("1f1b v=1", {})
         for m in [m for m in plain if m in inter]:
-            print(f"m={m}: interleaved / 1F1B: idle {inter[m]['measured'] / plain[m]['measured']:.2f}"
+            idle = inter[m]["measured"] / plain[m]["measured"]
+            print(f"m={m}: interleaved / 1F1B: idle {idle:.2f}"
                   f" (formula {pl.bubble_fraction(m, 2, 2) / pl.bubble_fraction(m, 2):.2f}), "
                   f"step {inter[m]['step_s'] / plain[m]['step_s']:.2f}")
     measured = timing.measure_ceiling()

@@ -499,7 +499,7 @@ class TensorParallel(Form):
         par_values = dict(ref_values)
         new = []
         with tf.device(self.devices[0]):
-            for i, (c, layer) in enumerate(zip(calls, layers, strict=True)):
+            for c, layer in zip(calls, layers, strict=True):
                 # a column layer whose one output only a row layer reads hands its slices over
                 after = readers.get(c.outputs[0], []) if len(c.outputs) == 1 else []
                 feeds_row = (len(after) == 1 and c.outputs[0] not in self.graph.outputs
