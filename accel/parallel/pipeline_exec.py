@@ -66,15 +66,20 @@ class Stage:
     traced: bool = False  # each task one call of a tf.function (fn, its terms and the loss)
     _traced_fns: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def output_fn(self, loss_fn: Callable | None) -> Callable:
+    def output_fn(self, loss_fn: Callable | None, input_grads: bool = True) -> Callable:
         """``out(x, y, share) -> (output, added)``: ``fn`` on ``x`` and the terms its layers
         added (``None`` if none), both weighted by ``share``; with ``loss_fn`` (the last stage)
         the output is the loss of ``y``, weighted by ``share``, and the terms are in it.
         ``traced``: one ``tf.function`` per ``loss_fn``, so a task dispatches one call
-        instead of every op from Python; under a tape, its gradient is one call too."""
-        key = id(loss_fn)
+        instead of every op from Python; under a tape, its gradient is one call too. Without
+        ``input_grads`` (the first stage) ``x`` enters through ``tf.stop_gradient``: the
+        function's traced backward, which serves every float input, skips ``x``'s gradient
+        (for a Dense layer, one matmul of the backward's two)."""
+        key = (id(loss_fn), input_grads)
         if key not in self._traced_fns:
             def out(x, y, share):
+                if not input_grads:
+                    x = tf.nest.map_structure(tf.stop_gradient, x)
                 with tf.device(self.device):
                     return _stage_output(self, loss_fn, x, y, share)
             self._traced_fns[key] = (tf.function(out) if self.traced else out, loss_fn)
@@ -219,7 +224,7 @@ class _Run:
         the last stage the micro-batch's loss; each weighted by its share of the batch."""
         last = s == len(self.stages) - 1
         share = tf.constant(self.shares[i], tf.float32)
-        return self.stages[s].output_fn(self.loss_fn if last else None)(
+        return self.stages[s].output_fn(self.loss_fn if last else None, input_grads=s > 0)(
             x, self.micro[i][1] if last else None, share)
 
     def backward(self, s: int, i: int) -> None:

@@ -35,7 +35,9 @@ def _square_first(seed):  # the wrong order: `a` is read again after the square
 def test_04_exercise_1_one_buffer():
     assert course_memory.check_one_buffer(None) == "exercise 1: not answered yet"
     assert course_memory.check_one_buffer(_sum_first).startswith("exercise 1: correct: 8 MiB")
-    assert "not yet: 16 MiB" in course_memory.check_one_buffer(course_memory._sum_and_squares)
+    # data flow alone: either order may run (its peak varies), so the check refuses it
+    assert "nothing makes the sum of `a` run before the square" in course_memory.check_one_buffer(
+        course_memory._sum_and_squares)
     assert "not yet: 16 MiB" in course_memory.check_one_buffer(_square_first)
     assert "value changed" in course_memory.check_one_buffer(
         lambda seed: tf.reduce_sum(tf.random.stateless_uniform((1024, 2048), seed=seed)))
