@@ -34,6 +34,7 @@ class Spec:
 _V100 = "NVIDIA Tesla V100 data sheet (SXM2), 2017"
 _A100 = "NVIDIA A100 Tensor Core GPU data sheet (SXM), 2020"
 _H100 = "NVIDIA H100 Tensor Core GPU data sheet (SXM), 2022"
+_H200 = "NVIDIA H200 Tensor Core GPU data sheet (SXM), 2024"
 _K520 = "NVIDIA GRID K520 board specification: 2 GK104 GPUs, 4.9 TFLOP/s FP32 per board"
 
 PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
@@ -49,6 +50,12 @@ PEAK_TFLOPS: dict[str, dict[str, Spec]] = {
                         "fp32": Spec(67.0, _H100), "tf32": Spec(494.7, _H100),
                         "bf16": Spec(989.4, _H100), "fp16": Spec(989.4, _H100),
                         "fp8": Spec(1978.9, _H100 + " (FP8 Tensor Core, E4M3/E5M2)")},
+    # the H100's GH100 chip with more and faster memory: the same dense peaks (the sheet
+    # prints the sparse ones, twice these, for TF32 and below)
+    "NVIDIA H200 SXM": {"fp64": Spec(67.0, _H200 + " (FP64 Tensor Core)"),
+                        "fp32": Spec(67.0, _H200), "tf32": Spec(494.7, _H200),
+                        "bf16": Spec(989.4, _H200), "fp16": Spec(989.4, _H200),
+                        "fp8": Spec(1978.9, _H200 + " (FP8 Tensor Core)")},
 }
 
 _PCIE = "PCI-SIG base specifications: 8 / 16 / 32 GT/s per lane, 128b/130b encoding"
@@ -63,6 +70,7 @@ LINKS: dict[str, Spec] = {
     "HBM2 (V100 device memory)": Spec(900.0, _V100),
     "HBM2e (A100 80GB device memory)": Spec(2039.0, _A100),
     "HBM3 (H100 SXM device memory)": Spec(3350.0, _H100),
+    "HBM3e (H200 SXM device memory)": Spec(4800.0, _H200 + ": 4.8 TB/s"),
     "10 Gb Ethernet": Spec(1.25, "IEEE 802.3ae: 10 Gb/s"),
     "100 Gb Ethernet": Spec(12.5, "IEEE 802.3ba: 100 Gb/s"),
     "InfiniBand HDR (200 Gb/s)": Spec(25.0, "InfiniBand Trade Association roadmap: HDR 200 Gb/s"),
@@ -75,6 +83,7 @@ MEMORY_GB: dict[str, Spec] = {
     "NVIDIA V100": Spec(32.0, _V100 + " (32 GB model)"),
     "NVIDIA A100": Spec(80.0, _A100 + " (80 GB model)"),
     "NVIDIA H100 SXM": Spec(80.0, _H100),
+    "NVIDIA H200 SXM": Spec(141.0, _H200),
 }
 
 _DGX_A100 = ("NVIDIA DGX A100 data sheet, 2020: 8 A100 GPUs joined by NVSwitch, 8 single-port "
@@ -107,14 +116,18 @@ DATASHEET_LINKS: dict[str, dict[str, str]] = {
     "NVIDIA V100": {"memory": "HBM2 (V100 device memory)", "host": "PCIe 3.0 x16"},
     "NVIDIA A100": {"memory": "HBM2e (A100 80GB device memory)", "host": "PCIe 4.0 x16"},
     "NVIDIA H100 SXM": {"memory": "HBM3 (H100 SXM device memory)", "host": "PCIe 5.0 x16"},
+    "NVIDIA H200 SXM": {"memory": "HBM3e (H200 SXM device memory)", "host": "PCIe 5.0 x16"},
 }
 
 
 def datasheet_name(reported: str) -> str | None:
     """The key of ``PEAK_TFLOPS`` whose data sheet describes the device a driver reports as
-    ``reported`` (e.g. ``"NVIDIA H100 80GB HBM3"``, the SXM board), or ``None`` where this
-    module has no data sheet for it (an H100 PCIe or NVL, a CPU)."""
+    ``reported`` (e.g. ``"NVIDIA H100 80GB HBM3"``, the SXM board; ``"NVIDIA H200"``), or
+    ``None`` where this module has no data sheet for it (an H100 PCIe or NVL, an H200 NVL, a
+    CPU)."""
     name = reported.upper()
+    if "H200" in name:
+        return None if "NVL" in name else "NVIDIA H200 SXM"
     if "H100" in name:
         return "NVIDIA H100 SXM" if ("HBM3" in name or "SXM" in name) and "NVL" not in name \
             else None

@@ -91,7 +91,8 @@ def test_best_size_is_the_figure():
     ("NVIDIA H100 NVL", None),
     ("NVIDIA A100-SXM4-80GB", "NVIDIA A100"),
     ("Tesla V100-SXM2-32GB", "NVIDIA V100"),
-    ("NVIDIA H200", None),
+    ("NVIDIA H200", "NVIDIA H200 SXM"),
+    ("NVIDIA H200 NVL", None),
     ("Intel(R) Xeon(R) Processor", None),
 ])
 def test_datasheet_names(reported, sheet):
@@ -106,6 +107,10 @@ def test_datasheet_peaks():
     assert hardware.datasheet_peak(h100, "h2d_pinned").value == 63.0
     assert hardware.datasheet_peak("NVIDIA V100", "matmul", "bf16") is None
     assert hardware.datasheet_peak("NVIDIA A100", "d2h_pageable").value == 31.5
+    h200 = "NVIDIA H200 SXM"  # the H100's chip: same dense peaks; HBM3e at 4.8 TB/s
+    assert hardware.datasheet_peak(h200, "matmul", "bf16").value == 989.4
+    assert hardware.datasheet_peak(h200, "memory").value == 4800.0
+    assert hardware.MEMORY_GB[h200].value == 141.0
 
 
 def test_a_cpu_record_round_trips(tmp_path):
