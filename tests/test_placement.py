@@ -221,6 +221,23 @@ def test_variables_on_places_variables_and_the_rest():
     assert table.device_of("v/read") == "/device:CPU:0"  # colocation beats the device function
 
 
+def test_variables_on_decides_as_a_hand_written_device_function():
+    # chapter 02's device function, written out: variables on CPU:0, every other op on CPU:3
+    def by_hand(op):
+        return "/cpu:0" if op.type in ("VariableV2", "VarHandleOp") else "/cpu:3"
+
+    g = tf.Graph()
+    with g.as_default(), tf.compat.v1.device(by_hand):
+        v = tf.compat.v1.Variable(3.0, name="v", use_resource=False)
+        r = tf.compat.v1.Variable(1.0, name="r")  # a resource variable: VarHandleOp
+        p = tf.compat.v1.placeholder(tf.float32, [], name="p")
+        tf.add(v + r, p, name="y")
+    helper = placement.variables_on("/cpu:0", "/cpu:3")
+    ops = g.get_operations()
+    assert {op.type for op in ops} >= {"VariableV2", "VarHandleOp", "AddV2", "Placeholder"}
+    assert [helper(op) for op in ops] == [by_hand(op) for op in ops]
+
+
 def test_by_op_type_inside_tf_function():
     route = placement.by_op_type({"MatMul": "/cpu:1"}, default="/cpu:2")
 

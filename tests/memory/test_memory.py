@@ -177,6 +177,21 @@ def test_gpu_plan():
                                             gpus=tf.config.list_physical_devices("CPU"))
 
 
+def test_gradient_step_is_chapter_04s_loop():
+    # chapter 04's residual blocks written out: h + relu(h @ w1) @ w2, loss mean(h^2)
+    params = memory_savings.residual_mlp(blocks=2, width=8)
+    x = tf.random.stateless_normal((16, 8), seed=(0, 1))
+    with tf.GradientTape() as tape:
+        h = x
+        for w1, w2 in params:
+            h = h + tf.matmul(tf.nn.relu(tf.matmul(h, w1)), w2)
+        loss = tf.reduce_mean(tf.square(h))
+    by_hand = tape.gradient(loss, [v for pair in params for v in pair])
+    for variant in ("plain", "recompute"):
+        for a, b in zip(memory_savings.gradient_step(params, x, variant), by_hand, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_recompute_and_half_precision_gradients_match():
     params = memory_savings.residual_mlp(blocks=3, width=8)
     x = tf.random.normal((16, 8), seed=1)
