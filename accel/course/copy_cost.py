@@ -52,8 +52,11 @@ def measure_copy_cost(devices: Sequence[str] = ("/cpu:0", "/cpu:1"), size: int =
                       chain: int = 64, repeat: int = 7, verbose: bool = False) -> dict[str, float]:
     """Time the two effects on ``devices[0]`` vs ``devices[0]`` <-> ``devices[1]``.
 
-    Returns the median times (s) and the ratios ``chain_ratio`` (hopping / one device) and
-    ``bulk_ratio`` (tensor consumed on the other device / on its own device).
+    Returns the median times (s), the ratios ``chain_ratio`` (hopping / one device) and
+    ``bulk_ratio`` (tensor consumed on the other device / on its own device), and the chain's
+    costs in microseconds: ``us_per_op`` (the one-device chain's time / its ``chain`` steps)
+    and ``us_per_hop`` (the hopping chain's extra time / its ``chain - 1`` device crossings;
+    below zero when the hopping run happened to be the faster).
     """
     if len(devices) < 2:
         raise ValueError(f"need two devices to compare, got {list(devices)}")
@@ -67,12 +70,18 @@ def measure_copy_cost(devices: Sequence[str] = ("/cpu:0", "/cpu:1"), size: int =
     for label, dev in (("tensor used in place", devices[0]), ("tensor used elsewhere", devices[1])):
         fn = consume_function(dev)
         times[label] = time_fn(lambda fn=fn: fn(big).numpy(), repeat=repeat, warmup=2)
+    per_op = times["chain on one device"] / chain * 1e6
+    per_hop = ((times["chain hopping"] - times["chain on one device"]) / max(chain - 1, 1)
+               * 1e6)
     if verbose:
         print(format_ratios({k: times[k] for k in list(times)[:2]}, "chain on one device"))
+        print(f"per step of the chain: {per_op:.1f} us; per device crossing, beyond that: "
+              f"{per_hop:.1f} us")
         print(format_ratios({k: times[k] for k in list(times)[2:]}, "tensor used in place"))
     return {**times,
             "chain_ratio": times["chain hopping"] / times["chain on one device"],
-            "bulk_ratio": times["tensor used elsewhere"] / times["tensor used in place"]}
+            "bulk_ratio": times["tensor used elsewhere"] / times["tensor used in place"],
+            "us_per_op": per_op, "us_per_hop": per_hop}
 
 
 def bench(device_names: Sequence[str], quick: bool = False) -> dict[str, float]:

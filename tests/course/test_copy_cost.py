@@ -39,9 +39,14 @@ def test_consume_function_runs_on_the_requested_device(four_devices):
 
 def test_measure_copy_cost_reports_times_and_ratios(four_devices):
     result = copy_cost.measure_copy_cost(four_devices[:2], size=1024, chain=4, repeat=1)
-    assert set(result) == {"chain on one device", "chain hopping", "tensor used in place",
-                           "tensor used elsewhere", "chain_ratio", "bulk_ratio"}
-    assert all(v > 0 for v in result.values())
+    times = ("chain on one device", "chain hopping", "tensor used in place",
+             "tensor used elsewhere")
+    assert set(result) == {*times, "chain_ratio", "bulk_ratio", "us_per_op", "us_per_hop"}
+    assert all(result[k] > 0 for k in (*times, "chain_ratio", "bulk_ratio", "us_per_op"))
+    # by hand: 4 steps on one device; 3 crossings in the hopping chain of 4 steps
+    one, hop = result["chain on one device"], result["chain hopping"]
+    assert result["us_per_op"] == pytest.approx(one / 4 * 1e6)
+    assert result["us_per_hop"] == pytest.approx((hop - one) / 3 * 1e6)
 
 
 def test_bad_arguments():
