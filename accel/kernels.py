@@ -16,7 +16,8 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.framework import kernels, op_def_registry
 
-__all__ = ["DEVICE_TYPES", "data_attr", "registered_kernels", "kernel_gaps"]
+__all__ = ["DEVICE_TYPES", "data_attr", "registered_kernels", "host_memory_args",
+           "kernel_gaps"]
 
 DEVICE_TYPES = ("CPU", "GPU", "TPU", "DEFAULT")
 
@@ -64,6 +65,25 @@ def registered_kernels(op_type: str, attr: str | None = None) -> dict[str, list[
                  for t in c.allowed_values.list.type} or {"any"}
         table.setdefault(k.device_type, set()).update(names)
     return {dev: sorted(v) for dev, v in sorted(table.items())}
+
+
+def host_memory_args(op_type: str, device_type: str = "GPU") -> dict[str, list[str]]:
+    """Per dtype of the data attribute, the arguments (inputs and outputs, by their op-definition
+    names) that ``op_type``'s ``device_type`` kernel keeps in **host** memory, from the registry
+    (``HostMemory(...)`` in the kernel's registration): ``{'int32': ['x', 'y', 'z']}`` for a GPU
+    ``AddV2``, whose int32 kernel is the CPU code reading and writing host memory. Dtypes whose
+    kernel keeps every argument in device memory are left out."""
+    device_type = _device_type(device_type)
+    attr = data_attr(op_type)
+    table: dict[str, set[str]] = {}
+    for k in kernels.get_registered_kernels_for_op(op_type).kernel:
+        if k.device_type != device_type or not k.host_memory_arg:
+            continue
+        names = {tf.dtypes.as_dtype(t).name for c in k.constraint if c.name == attr
+                 for t in c.allowed_values.list.type} or {"any"}
+        for name in names:
+            table.setdefault(name, set()).update(k.host_memory_arg)
+    return {dtype: sorted(args) for dtype, args in sorted(table.items())}
 
 
 def kernel_gaps(fn, *args, device_type: str = "GPU") -> list[tuple[str, str, str]]:

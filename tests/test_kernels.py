@@ -58,3 +58,16 @@ def test_kernel_gaps_device_type_any_case_and_unknown():
 def test_kernel_gaps_traces_a_tf_function_with_its_own_signature():
     fn = tf.function(lambda x: tf.matmul(x, x), input_signature=[tf.TensorSpec([2, 2], tf.uint8)])
     assert kernels.kernel_gaps(fn, device_type="GPU") == [("MatMul", "MatMul", "uint8")]
+
+
+def test_host_memory_args_of_int32_gpu_kernels():
+    # TensorFlow's own registrations (cwise_op_add_1.cc, shape_ops.cc): the int32 GPU AddV2 is
+    # the CPU functor with x, y and z in host memory; float32 has no host-memory argument
+    add = kernels.host_memory_args("AddV2")
+    assert add.get("int32") == ["x", "y", "z"]
+    assert "float32" not in add
+    shape = kernels.host_memory_args("Shape", "gpu")
+    assert shape["int32"] == ["input", "output"] and shape["float32"] == ["output"]
+    assert kernels.host_memory_args("AddV2", "CPU") == {}
+    with pytest.raises(ValueError, match="device_type must be one of"):
+        kernels.host_memory_args("AddV2", "npu")
