@@ -62,7 +62,8 @@ _REFUSED_OPTIONS = {
                 "global_clipnorm is supported",
     "use_ema": "a moving average of the weights is not kept by the sharded forms",
     "gradient_accumulation_steps": "give the form accumulation_steps= instead",
-    "loss_scale_factor": "loss scaling is not supported by the sharded forms",
+    "loss_scale_factor": "a fixed loss scale is not supported by the sharded forms; wrap the "
+                         "optimizer in keras.optimizers.LossScaleOptimizer instead",
 }
 
 
@@ -84,18 +85,19 @@ def keras_optimizer_factory(optimizer, exclude_from_weight_decay: Sequence[str] 
     match a pattern of ``exclude_from_weight_decay`` (as Keras's ``var_names``) are not decayed
     (exclusions set on the user's optimizer object are not part of its config and are not
     carried). ``global_clipnorm``: the form all-reduces the squared norms of the slices and
-    scales every slice as Keras does. Refused with a ``ValueError``: other classes (Lamb and
-    Adafactor use per-variable norms or factored statistics, Muon orthogonalises whole matrices;
-    Lion, Nadam, Adamax, Ftrl... are not verified here), ``LossScaleOptimizer`` and the options
-    ``clipnorm``, ``use_ema``, ``loss_scale_factor`` and ``gradient_accumulation_steps`` (unless
-    ``accepts_accumulation``: the form reads it with ``accumulation_steps_of``)."""
-    opt = km.fresh_optimizer(optimizer)
+    scales every slice as Keras does. A ``LossScaleOptimizer`` around such an optimizer:
+    ``make()`` wraps each new optimizer in one with the same scale settings; the form gives every
+    device the same finiteness verdict (``accel.parallel.replicas.KerasReplicas``). Refused with
+    a ``ValueError``: other classes (Lamb and Adafactor use per-variable norms or factored
+    statistics, Muon orthogonalises whole matrices; Lion, Nadam, Adamax, Ftrl... are not verified
+    here) and the options ``clipnorm``, ``use_ema``, ``loss_scale_factor`` and
+    ``gradient_accumulation_steps`` (unless ``accepts_accumulation``: the form reads it with
+    ``accumulation_steps_of``)."""
+    opt, scaling = km.fresh_optimizer(optimizer), None
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
-        raise ValueError("LossScaleOptimizer is not supported by the sharded forms (Zero, "
-                         "Offload, Accumulating): each device would judge the scaled gradients "
-                         "finite from its own slice. Train float16 with the towers, split, "
-                         "hybrid or pipeline forms, or use the 'mixed_bfloat16' policy, which "
-                         "needs no loss scaling")
+        scaling = {k: v for k, v in opt.get_config().items()
+                   if k in ("initial_scale", "dynamic_growth_steps")}
+        opt = opt.inner_optimizer
     cls = type(opt)
     if cls.__name__ not in SHARDABLE_OPTIMIZERS or cls is not getattr(keras.optimizers,
                                                                       cls.__name__):
@@ -118,7 +120,7 @@ def keras_optimizer_factory(optimizer, exclude_from_weight_decay: Sequence[str] 
         made = cls.from_config({**config, "global_clipnorm": None})
         if exclude:
             made.exclude_from_weight_decay(var_names=exclude)
-        return made
+        return made if scaling is None else keras.optimizers.LossScaleOptimizer(made, **scaling)
 
     return make, clip
 

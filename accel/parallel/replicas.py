@@ -75,7 +75,14 @@ class KerasReplicas(Form):
       each device and micro-batch its share, as ``fit`` under a strategy. Gradients go through
       flat buffers, so an ``Embedding``'s sparse gradient is made dense: the optimizer updates
       as Keras's fed that dense gradient (for Adam not ``fit``'s sparse update when a token
-      repeats in a batch). ``LossScaleOptimizer`` is refused; ``mixed_bfloat16`` works.
+      repeats in a batch).
+    * ``mixed_float16`` with Keras's ``LossScaleOptimizer``: the loss is scaled by its current
+      scale before the backward, as ``fit`` does; every device's optimizer is such a wrapper,
+      and the devices reach ONE verdict on the step's gradients (a device that holds a slice
+      cannot see the others' infinities): the finiteness of all of them, all-reduced, so every
+      device applies the step or every device skips it and halves its scale. Its scale grows
+      after ``dynamic_growth_steps`` finite updates (Keras's counts each micro-batch's apply
+      when it accumulates). ``mixed_bfloat16`` needs no scaling.
     * ``run_eagerly=True``: the step runs op by op (no tracing: cheaper for a few steps of
       a model whose tracing is slow, such as attention); else one ``tf.function``.
     """
@@ -92,8 +99,15 @@ class KerasReplicas(Form):
                              "it with keras.Input(shape) or call it once on a batch")
         self.model = model
         self.loss_fn = km.loss_function(loss)
-        self._make_optimizer, self.global_clipnorm = keras_optimizer_factory(
+        make, self.global_clipnorm = keras_optimizer_factory(
             optimizer, exclude_from_weight_decay, accepts_accumulation=True)
+        self._made: list = []  # every optimizer made: each device's (or the host's)
+
+        def make_optimizer():
+            self._made.append(make())
+            return self._made[-1]
+
+        self._make_optimizer = make_optimizer
         self.units = km.sequential_layers(model) if isinstance(model, keras.Sequential) \
             else [model]
         self._weights = _unique(v for u in self.units for v in u.trainable_variables)
@@ -165,19 +179,25 @@ class KerasReplicas(Form):
     def _trained_weights(self) -> list[np.ndarray]:
         raise NotImplementedError
 
+    def _loss_scale(self):
+        """A ``LossScaleOptimizer``'s current scale (every device's is the same), or ``None``."""
+        return km.loss_scale(self._made[0])
+
     def _run(self, xs, ys):
         k, n = self.accumulation_steps, self.n
         for gs, d in zip(self._grads, self.devices, strict=True):
             with tf.device(d):
                 for g in gs:
                     g.assign(tf.zeros_like(g))
-        losses = []
+        losses, scale = [], self._loss_scale()
+        share = 1.0 / (n * k) if scale is None else scale / (n * k)
         for j in range(k):
             losses += self._micro_step([xs[i * k + j] for i in range(n)],
-                                       [ys[i * k + j] for i in range(n)], 1.0 / (n * k))
+                                       [ys[i * k + j] for i in range(n)], share)
         self._apply()
         with tf.device(self.devices[0]):
-            return tf.add_n(losses)
+            loss = tf.add_n(losses)
+            return loss if scale is None else loss / tf.cast(scale, loss.dtype)
 
     def _micro_step(self, xs, ys, scale) -> list:
         raise NotImplementedError
@@ -215,7 +235,8 @@ class KerasReplicas(Form):
         return x, states, extra
 
     def _loss(self, y, pred, extra, scale):
-        return km.training_loss(self.loss_fn, y, pred, extra) * scale
+        loss = km.training_loss(self.loss_fn, y, pred, extra)
+        return loss * tf.cast(scale, loss.dtype)
 
     def _local_gradients(self, i: int, weights, x, y, scale):
         """Device ``i``'s scaled loss on ``(x, y)`` and its gradients for ``weights`` (the
@@ -233,8 +254,13 @@ class KerasReplicas(Form):
         return loss, grads
 
     def _clip(self, grads: list, devices: list[str], sliced: bool) -> list:
-        """Per device, its gradients scaled as Keras's ``global_clipnorm`` does (the squared
-        norm all-reduced over the devices when each holds a slice)."""
+        """Per device, the gradients its optimizer applies: under loss scaling, NaN on every
+        device unless all devices' gradients are finite (one verdict, all-reduced when each
+        holds a slice); then scaled as Keras's ``global_clipnorm`` does (the squared norm
+        all-reduced likewise, of the unscaled gradients)."""
+        loss_scale = self._loss_scale()
+        if loss_scale is not None:
+            grads = self._one_verdict(grads, devices, sliced)
         if not self.global_clipnorm:
             return grads
         clip = float(self.global_clipnorm)
@@ -247,7 +273,27 @@ class KerasReplicas(Form):
         out = []
         for gs, s, d in zip(grads, squares, devices, strict=True):
             with tf.device(d):
-                norm = tf.sqrt(s)
+                norm = tf.sqrt(s) if loss_scale is None else \
+                    tf.sqrt(s) / tf.cast(loss_scale, s.dtype)
                 scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
                 out.append([g * scale for g in gs])
+        return out
+
+    @staticmethod
+    def _one_verdict(grads: list, devices: list[str], sliced: bool) -> list:
+        """``grads`` (per device) unchanged where every device's are finite, else all NaN, so
+        that each device's ``LossScaleOptimizer`` judges the whole step as one would."""
+        finite = []
+        for gs, d in zip(grads, devices, strict=True):
+            with tf.device(d):
+                ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gs])
+                finite.append(tf.cast(ok, tf.float32))
+        if sliced and len(devices) > 1:
+            finite = all_reduce(finite, devices)
+        out = []
+        for gs, f, d in zip(grads, finite, devices, strict=True):
+            with tf.device(d):
+                ok = tf.equal(f, float(len(devices)) if sliced and len(devices) > 1 else 1.0)
+                out.append([g * tf.where(ok, tf.ones((), g.dtype), tf.constant(np.nan, g.dtype))
+                            for g in gs])
         return out

@@ -13,9 +13,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from accel.parallel.accumulate import Accumulating
 from accel.parallel.data import DataParallel
 from accel.parallel.model import ModelParallel
+from accel.parallel.offload import Offload
 from accel.parallel.pipeline_exec import Pipeline
+from accel.parallel.replicas import KerasReplicas
+from accel.parallel.tensor import TensorParallel
 from accel.parallel.zero import Zero
 
 DT = "float64"
@@ -291,8 +295,9 @@ def test_embedding_gradients_stay_sparse(four_devices):
 def _mixed_model():
     keras.utils.set_random_seed(0)
     return keras.Sequential([keras.Input((6,))] + [
-        keras.layers.Dense(n, activation=a, kernel_regularizer=keras.regularizers.L2(0.01))
-        for n, a in [(16, "relu"), (12, "tanh"), (8, "relu"), (3, None)]]
+        keras.layers.Dense(n, activation=a, kernel_regularizer=keras.regularizers.L2(0.01),
+                           name=f"mixed{i}")
+        for i, (n, a) in enumerate([(16, "relu"), (12, "tanh"), (8, "relu"), (3, None)])]
         + [keras.layers.Activation("linear", dtype="float32")])  # float32 outputs, as advised
 
 
@@ -311,7 +316,8 @@ def _keras_mixed(policy, x, y, xla):
     return model.get_weights()
 
 
-MIXED_FORMS = ("towers", "split", "hybrid", "1f1b", "zero1")
+MIXED_FORMS = ("towers", "split", "hybrid", "1f1b", "zero1", "zero3", "offload", "accumulate",
+               "tensor")
 
 
 @pytest.fixture(scope="module")
@@ -344,8 +350,7 @@ def mixed_references():
 def test_mixed_policies_as_keras_fit(four_devices, mixed_references, policy, form):
     """Under the same policy (and a LossScaleOptimizer for float16, which fit scales the loss
     for), each form's update is within max(3 x the spread of two Keras runs, 5e-2) of fit's,
-    relative to the update's size, and the loss falls; the sharded forms refuse float16's
-    LossScaleOptimizer with a way out."""
+    relative to the update's size, and the loss falls."""
     x, y, found = mixed_references
     ref, update, spread = found[policy]
     d = four_devices
@@ -356,14 +361,16 @@ def test_mixed_policies_as_keras_fit(four_devices, mixed_references, policy, for
                                              optimizer=o),
         "1f1b": lambda m, o: Pipeline(m, d[:2], loss="mse", optimizer=o, num_microbatches=4),
         "zero1": lambda m, o: Zero(m, d[:2], loss="mse", optimizer=o, stage=1),
+        "zero3": lambda m, o: Zero(m, d[:2], loss="mse", optimizer=o, stage=3),
+        "offload": lambda m, o: Offload(m, d[:2], host=d[2], loss="mse", optimizer=o),
+        "accumulate": lambda m, o: Accumulating(m, loss="mse", optimizer=o,
+                                                accumulation_steps=2),
+        "tensor": lambda m, o: TensorParallel(m, d[:2], {"mixed[02]$": "column", "mixed1$": "row"},
+                                              loss="mse", optimizer=o),
     }[form]
     keras.config.set_floatx("float32")  # this file's fixture restores both afterwards
     keras.config.set_dtype_policy(policy)
     model = _mixed_model()
-    if form == "zero1" and policy == "mixed_float16":
-        with pytest.raises(ValueError, match="mixed_bfloat16"):
-            make_form(model, _mixed_optimizer(policy))
-        return
     trainer = make_form(model, _mixed_optimizer(policy))
     losses = []
     for k in range(STEPS):
@@ -376,6 +383,61 @@ def test_mixed_policies_as_keras_fit(four_devices, mixed_references, policy, for
                for a, b in zip(model.get_weights(), ref, strict=True)) / update
     print(f"{form} {policy}: update within {diff:.3f} of fit's; Keras's spread {spread:.3f}")
     assert diff <= max(3 * spread, 5e-2), (diff, spread)
+
+
+@pytest.mark.parametrize("form", ["zero2", pytest.param("offload", marks=SLOW)])
+def test_sharded_loss_scaling_skips_and_grows_as_fit(four_devices, form):
+    """float16 with a LossScaleOptimizer whose first scale overflows: Keras's fit skips those
+    steps and halves the scale, then grows it after every 2 finite steps; a sharded form's
+    devices do the same, step for step (the scale each device ends with is fit's), and the
+    weights follow fit's (clipped by the global norm as fit clips them)."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(BATCH * 6, 6)).astype("float32")
+    y = rng.normal(size=(BATCH * 6, 3)).astype("float32")
+
+    def optimizer():
+        # global_clipnorm too: the form clips by the norm of the unscaled gradients, as Keras's
+        # inner optimizer does after the wrapper has divided the scale out
+        inner = keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.5)
+        return keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0**20,
+                                                   dynamic_growth_steps=2)
+
+    keras.config.set_floatx("float32")  # this file's fixture restores both afterwards
+    keras.config.set_dtype_policy("mixed_float16")
+    ref = _mixed_model()
+    ref.compile(optimizer=optimizer(), loss="mse")
+    ref.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert 0 < int(ref.optimizer.iterations) < 6  # some steps skipped, some applied
+    model = _mixed_model()
+    d = four_devices
+    trainer = (Zero(model, d[:2], loss="mse", optimizer=optimizer(), stage=2) if form == "zero2"
+               else Offload(model, d[:2], host=d[2], loss="mse", optimizer=optimizer()))
+    for k in range(6):
+        trainer.train_step(x[k * BATCH:(k + 1) * BATCH], y[k * BATCH:(k + 1) * BATCH])
+    trainer.write_back()
+    opts = trainer.optimizers if form == "zero2" else [trainer.optimizer]
+    assert [float(o.dynamic_scale) for o in opts] == [float(ref.optimizer.dynamic_scale)] * len(
+        opts)
+    update = max(np.abs(a - b).max() for a, b in zip(ref.get_weights(),
+                                                      _mixed_model().get_weights(), strict=True))
+    diff = max(np.abs(np.asarray(a, np.float64) - b).max()
+               for a, b in zip(model.get_weights(), ref.get_weights(), strict=True))
+    assert diff <= 5e-2 * update, (diff, update)
+
+
+def test_one_verdict_for_the_devices_slices(four_devices):
+    """A device whose slice holds an infinity makes every device's gradients NaN (each
+    LossScaleOptimizer then skips); all finite, the gradients are returned unchanged."""
+    d = four_devices[:2]
+    ok = [[tf.constant([1.0, 2.0])], [tf.constant([3.0])]]
+    bad = [[tf.constant([1.0, 2.0])], [tf.constant([np.inf])]]
+    same = KerasReplicas._one_verdict(ok, d, sliced=True)
+    np.testing.assert_array_equal(same[0][0].numpy(), [1.0, 2.0])
+    np.testing.assert_array_equal(same[1][0].numpy(), [3.0])
+    judged = KerasReplicas._one_verdict(bad, d, sliced=True)
+    assert all(np.isnan(g.numpy()).all() for gs in judged for g in gs)
+    alone = KerasReplicas._one_verdict(bad, d, sliced=False)  # each device its own whole
+    np.testing.assert_array_equal(alone[0][0].numpy(), [1.0, 2.0])
 
 
 # -- BatchNormalization: what each form's statistics equal (the README's table) ------------

@@ -339,3 +339,53 @@ def test_rules_reach_a_sequential_held_by_a_block(four_devices, float64_keras):
     for a, b in zip(model.get_weights(), ref.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * scale)
 
+
+
+def regularized(seed=0):
+    """A functional model whose split layers carry every regularizer that adds up over shards:
+    attention (kernel L2, bias L2: its key bias has no gradient but rounding noise, which an L1
+    penalty's sign would turn into a step), a column Dense (kernel L2, activity L1: its output
+    is handed over as slices, each penalised), a row Dense (kernel L1L2, bias L1)."""
+    keras.utils.set_random_seed(seed)
+    r = keras.regularizers
+    inputs = keras.Input((5, 8), dtype="float64")
+    a = keras.layers.MultiHeadAttention(2, 4, kernel_regularizer=r.L2(0.01),
+                                        bias_regularizer=r.L2(0.01), dtype="float64",
+                                        name="attn")(inputs, inputs)
+    h = keras.layers.Add(dtype="float64")([inputs, a])
+    u = keras.layers.Dense(16, activation="relu", kernel_regularizer=r.L2(0.02),
+                           activity_regularizer=r.L1(0.001), dtype="float64", name="up")(h)
+    d = keras.layers.Dense(8, kernel_regularizer=r.L1L2(0.001, 0.01),
+                           bias_regularizer=r.L1(0.01), dtype="float64", name="down")(u)
+    flat = keras.layers.Flatten(dtype="float64")(d)
+    return keras.Model(inputs, keras.layers.Dense(3, dtype="float64", name="head")(flat))
+
+
+@SLOW
+def test_regularizers_that_add_up_over_shards_train_as_keras(four_devices, keras_zoo,
+                                                             float64_keras):
+    """Each shard carries its layer's L1/L2 regularizer, so the converted model's losses are
+    the original's (summed shard by shard) and Keras's fit trains both alike (float64, 3
+    steps); a regularizer that does not add up over shards is refused with a way out."""
+    z = keras_zoo
+    model = regularized()
+    x, y = z.data_for(model)
+    ref, ref_loss = z.keras_fit(model, z.OPTIMIZERS["adam"](), x, y)
+    par = tp.TensorParallel(model, four_devices[:2],
+                            {"^attn$": "heads", "^up$": "column", "^down$": "row"})
+    assert par.handoffs == [("up", "down")]
+    model(x[:4]), par.model(x[:4])  # the activity penalty is the last call's
+    z.assert_close(sum(float(t) for t in par.model.losses),
+                   sum(float(t) for t in model.losses), "the penalties")
+    assert len(par.model.losses) > len(model.losses)  # one per shard
+    fit_equals_keras(z, par, model, z.OPTIMIZERS["adam"](), x, y, ref, ref_loss)
+    back = keras.Model.from_config(par.model.get_config(), custom_objects={
+        c.__name__: c for c in (tp.ColumnParallelDense, tp.RowParallelDense,
+                                tp.HeadParallelAttention)})
+    assert type(back.get_layer("up_column").kernel_regularizer) is keras.regularizers.L2
+
+    orth = keras.Sequential([keras.Input((6,), dtype="float64"), keras.layers.Dense(
+        4, kernel_regularizer=keras.regularizers.OrthogonalRegularizer(0.01), dtype="float64",
+        name="up")])
+    with pytest.raises(ValueError, match="OrthogonalRegularizer.*leave this layer whole"):
+        tp.TensorParallel(orth, four_devices[:2], {"^up$": "column"})
