@@ -11,6 +11,8 @@
   ``tensorboard --logdir`` and the profile plugin: ``pip install -e ".[profile]"``).
 - ``trace_events(path)`` / ``summarize_trace(events)``: read that file's events back and
   total them per op name, as a table.
+- ``op_runs(path)``: the TensorFlow ops of that file (op name, type, start and end on one
+  clock for every thread): what ran when, in the order it ran.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from accel import checks
 from accel.placement import short_device
 
 __all__ = ["Interval", "traced_run", "step_intervals", "copy_intervals", "profile_trace",
-           "TraceEvent", "trace_events", "summarize_trace", "format_summary", "log_severity",
-           "visible_at_level"]
+           "TraceEvent", "trace_events", "OpRun", "op_runs", "summarize_trace", "format_summary",
+           "log_severity", "visible_at_level"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,45 @@ def trace_events(path: str) -> list[TraceEvent]:
                                          meta.get(ev.metadata_id, "?"), ev.offset_ps / 1e9,
                                          ev.duration_ps / 1e9))
     return events
+
+
+@dataclass(frozen=True)
+class OpRun:
+    """One op execution of a profiler trace: op name (with its scopes), op type, start and end
+    in ms from the trace's first op, the same clock for every thread."""
+
+    name: str
+    type: str
+    start: float
+    end: float
+
+
+def op_runs(path: str, plane: str = "/host:CPU") -> list[OpRun]:
+    """The op executions of an ``*.xplane.pb`` trace on ``plane`` (the TensorFlow executor's
+    events are named ``"<op name>:<op type>"``), earliest first: a line's events are offsets
+    from its own start, so each is placed on the trace's one clock by the line's timestamp."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    runs = []
+    for pl in space.planes:
+        if pl.name != plane:
+            continue
+        for line in pl.lines:
+            for ev in line.events:
+                name = pl.event_metadata[ev.metadata_id].name
+                if ":" not in name:
+                    continue
+                op, kind = name.rsplit(":", 1)
+                start = line.timestamp_ns * 1e-6 + ev.offset_ps * 1e-9
+                runs.append((op, kind, start, start + ev.duration_ps * 1e-9))
+    if not runs:
+        return []
+    first = min(r[2] for r in runs)
+    return sorted((OpRun(op, kind, s - first, e - first) for op, kind, s, e in runs),
+                  key=lambda r: r.start)
 
 
 def summarize_trace(events: Iterable[TraceEvent], names: Sequence[str] | None = None,

@@ -31,7 +31,8 @@ from accel.training import make_update
 
 __all__ = [
     "REMAINDERS", "MISSING", "split_batch", "average_gradients", "make_variables",
-    "make_tower_step", "make_single_step", "scaled_learning_rate", "DataParallel",
+    "gradient_buckets", "make_tower_step", "make_single_step", "scaled_learning_rate",
+    "DataParallel",
 ]
 
 REMAINDERS = ("error", "pad", "drop")
@@ -169,6 +170,55 @@ def average_gradients(tower_grads: Sequence[Sequence[tuple]], missing: str = "ze
     return averaged
 
 
+def gradient_buckets(variables: Sequence, bucket_bytes: int) -> list[list[int]]:
+    """The variables' positions grouped into buckets for a bucketed all-reduce, in the order a
+    backward pass produces their gradients (the last variables first, as PyTorch DDP's
+    ``bucket_cap_mb`` buckets): a bucket is closed when the next variable would take it past
+    ``bucket_bytes`` or has another dtype; a variable larger than ``bucket_bytes`` is a bucket
+    of its own."""
+    checks.positive_int("bucket_bytes", bucket_bytes)
+    buckets: list[list[int]] = []
+    size, dtype = 0, None
+    for j in reversed(range(len(variables))):
+        v = variables[j]
+        nbytes = int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+        if not buckets or size + nbytes > bucket_bytes or v.dtype != dtype:
+            buckets.append([])
+            size, dtype = 0, v.dtype
+        buckets[-1].append(j)
+        size += nbytes
+    return buckets
+
+
+def _bucketed_average(grads: list[list], buckets: list[list[int]], devices: list[str],
+                      variable_device: str, weights) -> dict[int, tf.Tensor]:
+    """Position -> the towers' averaged gradient, for the positions whose gradient is dense on
+    every tower: per bucket, each tower flattens and concatenates its gradients on its device
+    (one tensor to send), the variable device adds them up (weighted by shard) and cuts the
+    sum back into the variables' shapes, under name scope ``bucket_<k>``. Each bucket's sum
+    depends only on its own gradients, so it runs as soon as they exist, while the backward
+    pass still computes the earlier layers' (the overlap of DDP's bucketed all-reduce)."""
+    out: dict[int, tf.Tensor] = {}
+    dense = [j for j in range(len(grads[0])) if all(
+        g[j] is not None and not isinstance(g[j], tf.IndexedSlices) for g in grads)]
+    for k, bucket in enumerate(b for b in ([j for j in b if j in dense] for b in buckets) if b):
+        with tf.name_scope(f"bucket_{k}"):
+            flats = []
+            for g, device in zip(grads, devices, strict=True):
+                with tf.device(device):
+                    flats.append(tf.concat([tf.reshape(g[j], [-1]) for j in bucket], 0))
+            with tf.device(variable_device):
+                if weights is None:
+                    total = tf.add_n(flats) / float(len(flats)) if len(flats) > 1 else flats[0]
+                else:
+                    total = tf.add_n([tf.cast(w, f.dtype) * f
+                                      for w, f in zip(weights, flats, strict=True)])
+                pieces = tf.split(total, [int(np.prod(grads[0][j].shape)) for j in bucket])
+                for j, piece in zip(bucket, pieces, strict=True):
+                    out[j] = tf.reshape(piece, grads[0][j].shape)
+    return out
+
+
 def make_variables(arrays: Sequence, device: str) -> list[tf.Variable]:
     """``tf.Variable`` copies of ``arrays`` (e.g. ``models.mlp_init(...)``), on ``device``."""
     parse_device(device)
@@ -238,7 +288,8 @@ def _shard_weights(xs: list) -> list | None:
 
 def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_model,
                     optimizer, devices: Sequence[str], variable_device: str | None = None,
-                    remainder: str = "error", sparse: bool = False):
+                    remainder: str = "error", sparse: bool = False,
+                    bucket_bytes: int | None = None):
     """One synchronous data-parallel training step over ``devices``, as a ``tf.function``.
 
     * ``model_fn(params, x)`` -> predictions (ignored when ``params_or_model`` is a Keras model);
@@ -259,7 +310,11 @@ def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_mode
     adds its own call's terms, and the towers' gradients are averaged, so a regularizer counts
     once). ``sparse=True``: embedding gradients stay ``IndexedSlices``
     (``average_gradients``; needs an optimizer object). ``step.variables`` are the trained
-    variables. The step is traced without AutoGraph, like Keras's own train step:
+    variables. ``bucket_bytes``: the dense gradients are averaged in buckets of about that
+    many bytes (``gradient_buckets``: one send per tower per bucket, each bucket's sum issued
+    as soon as its gradients exist, overlapping the rest of the backward pass; the buckets are
+    ``step.buckets``); ``None``: variable by variable, as ``average_gradients`` does. The
+    step is traced without AutoGraph, like Keras's own train step:
     ``model_fn``, ``loss_fn`` and the model's ``call`` must not branch in Python on a tensor's
     value (use ``tf.cond`` / ``keras.ops.cond``).
     """
@@ -270,6 +325,7 @@ def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_mode
     forward, variables = _model_parts(model_fn, params_or_model, variable_device)
     update = make_update(optimizer, variables, variable_device)
     n = len(devices)
+    buckets = None if bucket_bytes is None else gradient_buckets(variables, bucket_bytes)
 
     # no AutoGraph: the step's control flow is Python's, settled at tracing (as in Keras's own
     # train step); converting the model, loss and optimizer code made the first call ~4x slower
@@ -292,13 +348,21 @@ def make_tower_step(model_fn: Callable | None, loss_fn: Callable, params_or_mode
                                       output_gradients=km.loss_scale(optimizer, loss.dtype))
             tower_grads.append(list(zip(grads, variables, strict=True)))
             losses.append(loss)
+        done = {} if buckets is None else _bucketed_average(
+            [[g for g, _ in pairs] for pairs in tower_grads], buckets, devices, variable_device,
+            weights)
         with tf.device(variable_device), tf.name_scope("update"):
-            update(average_gradients(tower_grads, weights=weights, sparse=sparse))
+            rest = [j for j in range(len(variables)) if j not in done]
+            averaged = dict(zip(rest, average_gradients(
+                [[pairs[j] for j in rest] for pairs in tower_grads], weights=weights,
+                sparse=sparse), strict=True)) if rest else {}
+            averaged.update({j: (g, variables[j]) for j, g in done.items()})
+            update([averaged[j] for j in range(len(variables))])
             if weights is None:
                 return tf.add_n(losses) / float(n)
             return tf.add_n([w * loss for w, loss in zip(weights, losses, strict=True)])
 
-    step.variables = variables
+    step.variables, step.buckets = variables, buckets
     return step
 
 
@@ -349,6 +413,8 @@ class DataParallel(Form):
     ``add_loss``), each tower adding its own call's terms, the towers' gradients averaged (as
     Keras under a ``tf.distribute`` strategy). An ``Embedding``'s gradient stays sparse (every
     tower's rows), so Keras's optimizers update as ``model.fit`` on one device does.
+    ``bucket_bytes``: the dense gradients are averaged bucket by bucket, each bucket as soon as
+    the backward pass has made it (``make_tower_step``; PyTorch DDP's buckets).
 
     BatchNormalization: each tower normalises its own shard and updates the moving statistics
     from it, tower after tower (per-replica batch norm): with an optimizer without bias
@@ -358,10 +424,10 @@ class DataParallel(Form):
     """
 
     name = "data"
-    options = ("variable_device",)
+    options = ("variable_device", "bucket_bytes")
 
     def __init__(self, model, devices: Sequence[str], *, loss, optimizer,
-                 variable_device: str | None = None):
+                 variable_device: str | None = None, bucket_bytes: int | None = None):
         self.devices = device_list(devices)
         self.variable_device = parse_device(variable_device or self.devices[0]).to_string()
         self.model = model
@@ -369,7 +435,7 @@ class DataParallel(Form):
         self.optimizer = self.make_optimizer(optimizer)
         self._tower_step = make_tower_step(None, km.loss_function(loss), self.copy,
                                            self.optimizer, self.devices, self.variable_device,
-                                           sparse=True)
+                                           sparse=True, bucket_bytes=bucket_bytes)
 
     def _step(self, x, y):
         return self._tower_step(x, y)
