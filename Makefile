@@ -55,7 +55,7 @@ execute: $(STAMP)  ## store outputs: re-run notebooks in place, alone on a quiet
 	  PYTEST_CURRENT_TEST=1 ACCEL_SAVE_FIGURES=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.timeout=300 $$nb || exit 1; done
 
-images: $(STAMP)  ## regenerate the figures in images/ from code (FIG=07_scaling.png for one)
+images: $(STAMP)  ## regenerate the figures in images/ from code (FIG=10_schedules.png for one)
 	$(BIN)/python -m accel images --out images $(FIG)
 
 gpu-check: $(STAMP)  ## the GPU paths of chapters 01-08 and every Keras form of accel.parallel, on a machine with a GPU (skipped without one)

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--list", action="store_true", help="list the benchmarks")
     bench.add_argument("--quick", action="store_true", help="a tiny run that checks it works")
     img = sub.add_parser("images", help="regenerate the course figures")
-    img.add_argument("names", nargs="*", help="only these figures, e.g. 07_scaling.png")
+    img.add_argument("names", nargs="*", help="only these figures, e.g. 10_schedules.png")
     img.add_argument("--out", default="images", help="output folder (default: images)")
     ceil = sub.add_parser("ceiling", help="1-thread / 2-thread matmul time now (2 = two free "
                           "cores); with --require, fail on a busy machine")

@@ -11,7 +11,7 @@ from accel.costmodel.collectives import BUS_FACTORS
 from accel.costmodel.hardware import link_bandwidth
 
 __all__ = ["training_flops", "days_to_train", "transfer_time", "SCHEMES",
-           "data_parallel_step_time"]
+           "data_parallel_step_time", "overlapped_step_time"]
 
 SCHEMES = ("ring", "one_device", "host")
 
@@ -69,3 +69,43 @@ def data_parallel_step_time(n: int, compute_s: float, gradient_bytes: float,
     if scheme == "one_device":
         return compute_s + 2 * (n - 1) * (copy + latency_s)
     return compute_s + 2 * n * (copy + latency_s)
+
+
+def overlapped_step_time(n: int, forward_s: float, backward_s: float, gradient_bytes: float,
+                         bandwidth_bps: float, bucket_bytes: float | None = None,
+                         latency_s: float = 0.0) -> dict:
+    """Modelled synchronous data-parallel step whose ring all-reduce overlaps the backward pass
+    in buckets (PyTorch DDP's ``bucket_cap_mb``; ``accel.parallel.data``'s ``bucket_bytes``).
+
+    The backward pass makes the gradients at an even rate, the last layers' first; the
+    gradients are cut into buckets of ``bucket_bytes`` (the last bucket what remains;
+    ``None``: one bucket, no overlap, which is ``data_parallel_step_time``'s ring); each bucket
+    is all-reduced as soon as the backward has made it and the link is free, one bucket at a
+    time, at ``2 (n-1)/n`` times its bytes over ``bandwidth_bps`` plus ``2 (n-1)`` latencies
+    (its ring's steps). Returns ``step_s`` (forward, backward, and whatever exchange is left
+    when the backward ends), ``exposed_s`` (that leftover: what overlap did not hide),
+    ``comm_s`` (the exchange's total time) and ``buckets``. Smaller buckets start the exchange
+    earlier but pay the latency more often."""
+    checks.positive_int("n", n)
+    checks.non_negative_number("forward_s", forward_s)
+    checks.non_negative_number("backward_s", backward_s)
+    checks.non_negative_number("gradient_bytes", gradient_bytes)
+    checks.positive_number("bandwidth_bps", bandwidth_bps)
+    checks.non_negative_number("latency_s", latency_s)
+    size = gradient_bytes if bucket_bytes is None else checks.positive_number(
+        "bucket_bytes", bucket_bytes)
+    sizes, left = [], gradient_bytes
+    while left > 0:
+        sizes.append(min(size, left))
+        left -= sizes[-1]
+    sizes = sizes or [0.0]
+    made, free, comm = 0.0, forward_s, 0.0
+    for nbytes in sizes:
+        made += nbytes
+        ready = forward_s + backward_s * (made / gradient_bytes if gradient_bytes else 1.0)
+        cost = BUS_FACTORS["all_reduce"](n) * nbytes / bandwidth_bps + 2 * (n - 1) * latency_s
+        free = max(free, ready) + cost
+        comm += cost
+    end = forward_s + backward_s
+    return {"step_s": max(end, free), "exposed_s": max(0.0, free - end), "comm_s": comm,
+            "buckets": len(sizes)}

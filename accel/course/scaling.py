@@ -10,8 +10,8 @@ one device), and the batch-size side (the linear scaling rule tried on a toy pro
   a Keras CNN, ``DataParallel.train_step`` vs Keras's own train step under
   ``MirroredStrategy`` (``Mirrored``) vs Keras on one device (``python -m accel bench
   keras-towers``);
-* ``figure_scaling(results)``: the plot of ``measure_scaling`` (the chapter saves it as the
-  measured ``images/07_scaling.png``);
+* ``figure_scaling(results)``: the plot of ``measure_scaling`` (chapter 07 shows the overlap of
+  the exchange instead: ``accel.course.overlap``);
 * ``final_loss``: the loss a batch size and learning rate reach (the linear scaling rule tried);
 * ``check_uneven_mirrored``, ``check_scaling_limit``, ``check_adam_mistake``: the exercises.
 

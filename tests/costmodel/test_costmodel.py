@@ -51,6 +51,27 @@ def test_data_parallel_step_time_by_hand():
         steps.data_parallel_step_time(2, 0.1, 1.0, 1.0, scheme="tree")
 
 
+def test_overlapped_step_time_by_hand():
+    # 2 devices: a ring moves 2(n-1)/n = 1 gradient size; 100 bytes at 100 B/s = 1 s in all;
+    # forward 1 s, backward 2 s making the gradients evenly
+    one = steps.overlapped_step_time(2, 1.0, 2.0, 100, 100)
+    assert one["step_s"] == pytest.approx(steps.data_parallel_step_time(2, 3.0, 100, 100))
+    assert (one["exposed_s"], one["buckets"]) == (pytest.approx(1.0), 1)
+    # two buckets: ready at 2 s and 3 s, half a second each: the first hidden, the second not
+    two = steps.overlapped_step_time(2, 1.0, 2.0, 100, 100, bucket_bytes=50)
+    assert (two["step_s"], two["exposed_s"], two["comm_s"]) == (
+        pytest.approx(3.5), pytest.approx(0.5), pytest.approx(1.0))
+    # four buckets with 0.1 s latency (2 ring steps each): 0.45 s per bucket, ready every 0.5 s
+    four = steps.overlapped_step_time(2, 1.0, 2.0, 100, 100, bucket_bytes=25, latency_s=0.1)
+    assert (four["step_s"], four["comm_s"], four["buckets"]) == (
+        pytest.approx(3.45), pytest.approx(1.8), 4)
+    # a last bucket of what remains; the link busy longer than the backward queues the buckets
+    odd = steps.overlapped_step_time(2, 0.0, 1.0, 100, 10, bucket_bytes=60)
+    assert (odd["buckets"], odd["step_s"]) == (2, pytest.approx(0.6 + 6 + 4))
+    with pytest.raises(ValueError, match="bucket_bytes must be a number > 0"):
+        steps.overlapped_step_time(2, 1.0, 1.0, 100, 100, bucket_bytes=0)
+
+
 def test_hardware_figures_against_the_data_sheets():
     assert hardware.peak_flops("NVIDIA A100", "fp32") == 19.5e12
     assert hardware.peak_flops("NVIDIA A100", "bf16") == 312e12
