@@ -11,7 +11,7 @@ from accel.kernels import data_attr, registered_kernels
 from accel.placement import Placement, placement_of
 from accel.viz import device_colors
 
-__all__ = ["figure_devices", "figure_placement", "figure_kernels", "demo_placement",
+__all__ = ["figure_devices", "figure_placement", "demo_placement",
            "kernel_coverage", "format_kernel_coverage", "KERNEL_OPS"]
 
 
@@ -123,31 +123,3 @@ def format_kernel_coverage(ops: Sequence[str] = KERNEL_OPS,
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip()
                      for r in rows)
-
-
-def figure_kernels(ops: Sequence[str] = KERNEL_OPS, device_types: Sequence[str] = ("CPU", "GPU")):
-    """``kernel_coverage`` per op and device type: darker green means more dtypes, white means no
-    kernel. A catch-all kernel ("every dtype") is as dark as the widest list; an op without a
-    type attribute ("fixed types": it takes one kind of input, e.g. strings) is grey, since a
-    dtype count says nothing about it."""
-    import numpy as np
-
-    cover = [[kernel_coverage(op, d) for d in device_types] for op in ops]
-    top = max([v for row in cover for v in row if isinstance(v, int)], default=1) or 1
-    shade = np.array([[v if isinstance(v, int) else top if v == "every dtype" else np.nan
-                       for v in row] for row in cover], dtype=float)
-    cmap = plt.get_cmap("Greens").copy()
-    cmap.set_bad("#D9D9D9")
-    fig, ax = plt.subplots(figsize=(4.6, 0.7 + 0.38 * len(ops)))
-    ax.imshow(np.ma.masked_invalid(shade), cmap=cmap, aspect="auto", vmin=0, vmax=top * 1.25)
-    for i, row in enumerate(cover):
-        for j, v in enumerate(row):
-            text = {0: "none", "every dtype": "every", "fixed types": "fixed"}.get(v, str(v))
-            ax.text(j, i, text, ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(device_types)), [
-        f"{d} (+DEFAULT)" if d == "GPU" else d for d in device_types])
-    ax.set_yticks(range(len(ops)), ops)
-    fig.suptitle("dtypes with a kernel (darker = more)\nevery: no dtype constraint; "
-                 "fixed: no type attribute", fontsize=9)
-    fig.tight_layout()
-    return fig

@@ -70,7 +70,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 FIGURES: dict[str, str] = {
     "01_devices.png": "accel.course.diagrams:figure_devices",
     "02_placement.png": "accel.course.diagrams:figure_placement",
-    "03_kernels.png": "accel.course.diagrams:figure_kernels",
     "10_schedules.png": "accel.course.pipeline:figure_schedules",
     "11_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",
     "11_tp_cost.png": "accel.course.tensor_parallel:figure_tp_cost",

@@ -2,8 +2,7 @@
 this CPU (its matmul throughput measured) against GPUs (vendor peaks, a cost model).
 
 The arithmetic is ``accel.costmodel.steps``; the peaks with their sources
-``accel.costmodel.hardware``. ``gpu_rows`` is the table the chapter prints and
-``figure_scale`` draws, so the two cannot disagree.
+``accel.costmodel.hardware``. ``gpu_rows`` is the table the chapter prints.
 """
 
 from __future__ import annotations
@@ -12,9 +11,8 @@ from dataclasses import dataclass
 
 from accel.costmodel.hardware import PEAK_TFLOPS
 from accel.costmodel.steps import days_to_train, training_flops
-from accel.timing import measure_matmul_tflops
 
-__all__ = ["INCEPTION_V3", "GpuRow", "gpu_rows", "format_gpu_rows", "figure_scale"]
+__all__ = ["INCEPTION_V3", "GpuRow", "gpu_rows", "format_gpu_rows"]
 
 # The run chapter 01 costs: Inception-v3 (~5.7 G multiply-adds per 299x299 image forward, i.e.
 # ~11.4 GFLOP at 2 FLOPs per multiply-add) on ImageNet-1k's 1,281,167 training images, 100 epochs
@@ -74,29 +72,4 @@ def format_gpu_rows(rows: list[GpuRow]) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip()
                      for line in [head, *body])
-
-
-def figure_scale(measured_tflops: float | None = None, utilization: float = 0.4):
-    """Days to train Inception-v3 on ImageNet: this CPU (measured) vs GPUs (peak x utilization,
-    plain FP32 and the tensor-core unit a mixed-precision run uses)."""
-    import matplotlib.pyplot as plt
-
-    work = training_flops(**INCEPTION_V3)
-    cpu = measured_tflops or measure_matmul_tflops()
-    bars = [("this CPU (measured)", days_to_train(work, cpu), "#8C8C8C")]
-    for r in gpu_rows(work, utilization):
-        bars.append((f"{r.name}, FP32", r.days_fp32, "#4C72B0"))
-        if r.days_mixed is not None:
-            bars.append((f"{r.name}, FP16/BF16", r.days_mixed, "#55A868"))
-    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.32 * len(bars)))
-    ax.barh([b[0] for b in bars], [b[1] for b in bars], color=[b[2] for b in bars])
-    ax.set_xscale("log")
-    for i, (_, d, _) in enumerate(bars):
-        ax.text(d, i, " " + _days(d), va="center", fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel(f"days for {work / 1e18:.2f} EFLOP (log scale); "
-                  f"GPUs at {utilization:.0%} of peak (a model)")
-    ax.set_title("Inception-v3 on ImageNet, 100 epochs, one device")
-    fig.tight_layout()
-    return fig
 
