@@ -73,7 +73,7 @@ def data_parallel_step_time(n: int, compute_s: float, gradient_bytes: float,
 
 def overlapped_step_time(n: int, forward_s: float, backward_s: float, gradient_bytes: float,
                          bandwidth_bps: float, bucket_bytes: float | None = None,
-                         latency_s: float = 0.0) -> dict:
+                         latency_s: float = 0.0, base_latency_s: float = 0.0) -> dict:
     """Modelled synchronous data-parallel step whose ring all-reduce overlaps the backward pass
     in buckets (PyTorch DDP's ``bucket_cap_mb``; ``accel.parallel.data``'s ``bucket_bytes``).
 
@@ -81,9 +81,12 @@ def overlapped_step_time(n: int, forward_s: float, backward_s: float, gradient_b
     gradients are cut into buckets of ``bucket_bytes`` (the last bucket what remains;
     ``None``: one bucket, no overlap, which is ``data_parallel_step_time``'s ring); each bucket
     is all-reduced as soon as the backward has made it and the link is free, one bucket at a
-    time, at ``2 (n-1)/n`` times its bytes over ``bandwidth_bps`` plus ``2 (n-1)`` latencies
-    (its ring's steps). Returns ``step_s`` (forward, backward, and whatever exchange is left
-    when the backward ends), ``exposed_s`` (that leftover: what overlap did not hide),
+    time, at ``2 (n-1)/n`` times its bytes over ``bandwidth_bps`` plus ``base_latency_s`` and
+    ``2 (n-1)`` times ``latency_s`` (its ring's steps: NCCL's own cost model has this form,
+    ``baseLat + nsteps * hwLat`` in ``src/graph/tuning.cc``). The exchange is assumed not to
+    slow the backward pass (on a GPU its kernels take some of the compute). Returns
+    ``step_s`` (forward, backward, and whatever exchange is left when the backward ends),
+    ``exposed_s`` (that leftover: what overlap did not hide),
     ``comm_s`` (the exchange's total time) and ``buckets``. Smaller buckets start the exchange
     earlier but pay the latency more often."""
     checks.positive_int("n", n)
@@ -92,6 +95,7 @@ def overlapped_step_time(n: int, forward_s: float, backward_s: float, gradient_b
     checks.non_negative_number("gradient_bytes", gradient_bytes)
     checks.positive_number("bandwidth_bps", bandwidth_bps)
     checks.non_negative_number("latency_s", latency_s)
+    checks.non_negative_number("base_latency_s", base_latency_s)
     size = gradient_bytes if bucket_bytes is None else checks.positive_number(
         "bucket_bytes", bucket_bytes)
     sizes, left = [], gradient_bytes
@@ -103,7 +107,8 @@ def overlapped_step_time(n: int, forward_s: float, backward_s: float, gradient_b
     for nbytes in sizes:
         made += nbytes
         ready = forward_s + backward_s * (made / gradient_bytes if gradient_bytes else 1.0)
-        cost = BUS_FACTORS["all_reduce"](n) * nbytes / bandwidth_bps + 2 * (n - 1) * latency_s
+        cost = (BUS_FACTORS["all_reduce"](n) * nbytes / bandwidth_bps + base_latency_s
+                + 2 * (n - 1) * latency_s)
         free = max(free, ready) + cost
         comm += cost
     end = forward_s + backward_s

@@ -126,5 +126,8 @@ def traced_buckets(step, x, y, logdir: str) -> dict:
     if not backward or not sums:
         raise ValueError("the trace holds no backward MatMul or no bucket sum: was the step "
                          "made with bucket_bytes?")
+    lanes = sorted({lane for lane, *_ in intervals}, key=lambda lane: (lane == "bucket sums",
+                                                                       lane))
+    intervals.sort(key=lambda i: (lanes.index(i[0]), i[1]))  # the same lane order every run
     return {"sums": [sums[k] for k in sorted(sums)], "backward_end": max(backward),
             "intervals": intervals}

@@ -118,8 +118,9 @@ def average_gradients(tower_grads: Sequence[Sequence[tuple]], missing: str = "ze
     * ``"zero"`` (default): a missing gradient counts as zero, so the result is the sum over the
       towers that have one divided by *all* towers -- exactly the gradient of the mean loss over
       the whole batch (the variable did not influence those towers' losses);
-    * ``"skip"``: the mean over the towers that have one (what the classic TF1 recipe did by
-      skipping ``None``), which weights those towers' examples more.
+    * ``"skip"``: the mean over the towers that have one (what recipes that skip ``None`` do;
+      TensorFlow's own CIFAR-10 multi-GPU example fails on a ``None`` instead), which weights
+      those towers' examples more.
 
     ``weights``: one weight per tower (e.g. its share of the batch's examples, summing to 1) for
     towers whose shards differ in size; the result is then ``sum_i weights[i] * g_i`` (with

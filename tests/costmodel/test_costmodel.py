@@ -65,6 +65,9 @@ def test_overlapped_step_time_by_hand():
     four = steps.overlapped_step_time(2, 1.0, 2.0, 100, 100, bucket_bytes=25, latency_s=0.1)
     assert (four["step_s"], four["comm_s"], four["buckets"]) == (
         pytest.approx(3.45), pytest.approx(1.8), 4)
+    # a fixed cost per all-reduce on top: 0.2 s more per bucket
+    based = steps.overlapped_step_time(2, 1.0, 2.0, 100, 100, bucket_bytes=50, base_latency_s=0.2)
+    assert (based["step_s"], based["comm_s"]) == (pytest.approx(3.7), pytest.approx(1.4))
     # a last bucket of what remains; the link busy longer than the backward queues the buckets
     odd = steps.overlapped_step_time(2, 0.0, 1.0, 100, 10, bucket_bytes=60)
     assert (odd["buckets"], odd["step_s"]) == (2, pytest.approx(0.6 + 6 + 4))
