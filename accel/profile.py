@@ -164,12 +164,14 @@ def trace_events(path: str) -> list[TraceEvent]:
 @dataclass(frozen=True)
 class OpRun:
     """One op execution of a profiler trace: op name (with its scopes), op type, start and end
-    in ms from the trace's first op, the same clock for every thread."""
+    in ms from the trace's first op (the same clock for every thread), and the thread that ran
+    it."""
 
     name: str
     type: str
     start: float
     end: float
+    thread: str = ""
 
 
 def op_runs(path: str, plane: str = "/host:CPU") -> list[OpRun]:
@@ -192,12 +194,13 @@ def op_runs(path: str, plane: str = "/host:CPU") -> list[OpRun]:
                     continue
                 op, kind = name.rsplit(":", 1)
                 start = line.timestamp_ns * 1e-6 + ev.offset_ps * 1e-9
-                runs.append((op, kind, start, start + ev.duration_ps * 1e-9))
+                runs.append((op, kind, start, start + ev.duration_ps * 1e-9,
+                             line.display_name or line.name))
     if not runs:
         return []
     first = min(r[2] for r in runs)
-    return sorted((OpRun(op, kind, s - first, e - first) for op, kind, s, e in runs),
-                  key=lambda r: r.start)
+    return sorted((OpRun(op, kind, s - first, e - first, thread)
+                   for op, kind, s, e, thread in runs), key=lambda r: r.start)
 
 
 def summarize_trace(events: Iterable[TraceEvent], names: Sequence[str] | None = None,

@@ -10,15 +10,15 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from accel import checks
+from accel import checks, profile
 from accel.memory.estimate import MIB, OPTIMIZERS, estimate_training_memory
 from accel.memory.measure import memory_device, peak_during, tape_kept_bytes
-from accel.memory.savings import measure_variants_anywhere
+from accel.memory.savings import gradient_step, measure_variants_anywhere, residual_mlp
 from accel.memory.savings import ratios as variant_ratios
 from accel.timing import format_ratios
 
 __all__ = ["bench_memory", "figure_memory", "process_threads", "process_rss", "two_chains",
-           "overlapping_pairs", "check_one_buffer", "check_half_pays",
+           "overlapping_pairs", "step_breakdown", "check_one_buffer", "check_half_pays",
            "check_overflow_steps"]
 
 
@@ -115,6 +115,33 @@ def overlapping_pairs(session, fetches) -> int:
                 spans[scope].append((start, start + node.all_end_rel_micros))
     return sum(min(a1, b1) > max(a0, b0)
                for a0, a1 in spans["chain0"] for b0, b1 in spans["chain1"])
+
+
+def step_breakdown(logdir: str, batch: int = 1024, blocks: int = 8, width: int = 128) -> dict:
+    """One traced plain step of ``accel.memory.savings``' residual MLP read back from a profiler
+    trace (``accel.profile.op_runs``), by its matmuls (nearly all of its work): the forward's
+    and the backward's summed matmul times (``forward_work_ms``, ``backward_work_ms``), their
+    wall times (``forward_ms``: the first matmul to the first backward matmul; ``backward_ms``:
+    from there to the last matmul), and ``intervals``, each thread's matmuls for
+    ``accel.viz.timeline`` (labelled forward or backward)."""
+    params = residual_mlp(blocks, width)
+    x = tf.constant(np.random.default_rng(1).normal(size=(batch, width)).astype(np.float32))
+    step = tf.function(lambda: gradient_step(params, x, "plain"))
+    step()
+    matmuls = [r for r in profile.op_runs(profile.profile_trace(step, logdir))
+               if "MatMul" in r.type]
+    backward = [r for r in matmuls if "gradient_tape" in r.name]
+    forward = [r for r in matmuls if "gradient_tape" not in r.name]
+    if not forward or not backward:
+        raise ValueError(f"the trace in {logdir!r} holds no forward or no backward matmul")
+    turn = min(r.start for r in backward)
+    threads = {t: f"thread {i}" for i, t in enumerate(sorted({r.thread for r in matmuls}))}
+    return {"forward_work_ms": sum(r.end - r.start for r in forward),
+            "backward_work_ms": sum(r.end - r.start for r in backward),
+            "forward_ms": turn - min(r.start for r in forward),
+            "backward_ms": max(r.end for r in backward) - turn,
+            "intervals": [(threads[r.thread], r.start, r.end,
+                           "backward" if r in backward else "forward") for r in matmuls]}
 
 
 def _sum_and_squares(seed):

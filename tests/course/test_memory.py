@@ -110,3 +110,14 @@ def test_bench_memory_quick():
     for name, r in res.items():
         assert out["ratios"][name] == {k: r[k] / res["plain"][k] for k in ("peak_mib", "seconds")}
         assert r["peak_mib"] > 0 and r["seconds"] > 0
+
+
+def test_step_breakdown_counts_the_matmuls_by_hand(tmp_path):
+    """Two residual blocks: 4 forward matmuls; backward 2 per matmul, less the first block's
+    input gradient (x needs none): 7. Each direction's work and wall time are positive."""
+    parts = course_memory.step_breakdown(str(tmp_path), batch=64, blocks=2, width=16)
+    labels = [label for *_, label in parts["intervals"]]
+    assert (labels.count("forward"), labels.count("backward")) == (4, 7)
+    assert all(parts[k] > 0 for k in ("forward_work_ms", "backward_work_ms", "forward_ms",
+                                      "backward_ms"))
+    assert all(lane.startswith("thread ") for lane, *_ in parts["intervals"])
