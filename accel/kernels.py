@@ -92,7 +92,9 @@ def kernel_gaps(fn, *args, device_type: str = "GPU") -> list[tuple[str, str, str
     ``fn`` is a ``tf.function`` (traced as it is, with its own options such as ``jit_compile``
     or ``input_signature``) or a plain callable (wrapped in one). Returns ``(op name, op type,
     dtype)`` rows: the ops soft placement would move off that device (or that fail without it).
-    ``DEFAULT`` kernels count for every device type but CPU.
+    ``DEFAULT`` kernels count for every device type, CPU included: the kernel lookup tries the
+    ``DEFAULT`` registration for every device type but the symbolic XLA ones
+    (``FindKernelRegistration`` in ``tensorflow/core/framework/op_kernel.cc``).
     """
     device_type = _device_type(device_type)
     function = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
@@ -104,9 +106,7 @@ def kernel_gaps(fn, *args, device_type: str = "GPU") -> list[tuple[str, str, str
         attr = data_attr(op.type)
         dtype = op.get_attr(attr) if attr is not None and attr in op.node_def.attr else None
         table = registered_kernels(op.type)
-        allowed = set(table.get(device_type, []))
-        if device_type != "CPU":  # DEFAULT registrations serve the non-CPU devices
-            allowed |= set(table.get("DEFAULT", []))
+        allowed = set(table.get(device_type, [])) | set(table.get("DEFAULT", []))
         name = dtype.name if dtype is not None else "any"
         if not allowed or ("any" not in allowed and dtype is not None and name not in allowed):
             gaps.append((op.name, op.type, name))

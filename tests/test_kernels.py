@@ -71,3 +71,12 @@ def test_host_memory_args_of_int32_gpu_kernels():
     assert kernels.host_memory_args("AddV2", "CPU") == {}
     with pytest.raises(ValueError, match="device_type must be one of"):
         kernels.host_memory_args("AddV2", "npu")
+
+
+def test_default_kernels_serve_the_cpu_too():
+    """NextIteration's float32 kernel is a DEFAULT registration only (no CPU one): the kernel
+    lookup tries DEFAULT for the CPU as for any device, so it is no gap there."""
+    table = kernels.registered_kernels("NextIteration")
+    assert "float32" not in table.get("CPU", []) and "float32" in table["DEFAULT"]
+    fn = tf.function(lambda x: tf.raw_ops.NextIteration(data=x))
+    assert kernels.kernel_gaps(fn, tf.ones(2), device_type="CPU") == []
