@@ -10,8 +10,8 @@ from accel import checks
 from accel.costmodel.collectives import BUS_FACTORS
 from accel.costmodel.hardware import link_bandwidth
 
-__all__ = ["training_flops", "days_to_train", "transfer_time", "SCHEMES",
-           "data_parallel_step_time", "overlapped_step_time"]
+__all__ = ["training_flops", "days_to_train", "transfer_time", "matmul_intensity", "roofline",
+           "SCHEMES", "data_parallel_step_time", "overlapped_step_time"]
 
 SCHEMES = ("ring", "one_device", "host")
 
@@ -37,6 +37,23 @@ def transfer_time(nbytes: int, link: str) -> float:
     """Seconds to move ``nbytes`` over ``link`` (a key of ``hardware.LINKS``) at its nominal
     bandwidth: a lower bound."""
     return checks.non_negative_number("nbytes", nbytes) / link_bandwidth(link)
+
+
+def matmul_intensity(n: int, bytes_per_element: int = 4) -> float:
+    """Arithmetic intensity of an ``n`` x ``n`` by ``n`` x ``n`` matmul: its 2 n^3 FLOPs over the
+    bytes of its two inputs and its output (3 n^2 elements), each read or written once."""
+    checks.positive_int("n", n)
+    checks.positive_int("bytes_per_element", bytes_per_element)
+    return 2 * n**3 / (3 * n**2 * bytes_per_element)
+
+
+def roofline(intensity: float, peak_flops: float, bandwidth_bps: float) -> float:
+    """The roofline model's attainable FLOP/s (Williams, Waterman & Patterson 2009): the lower
+    of the compute peak and ``intensity`` (FLOPs per byte) times the memory bandwidth."""
+    checks.positive_number("intensity", intensity)
+    checks.positive_number("peak_flops", peak_flops)
+    checks.positive_number("bandwidth_bps", bandwidth_bps)
+    return min(peak_flops, intensity * bandwidth_bps)
 
 
 def data_parallel_step_time(n: int, compute_s: float, gradient_bytes: float,

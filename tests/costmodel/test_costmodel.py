@@ -75,6 +75,17 @@ def test_overlapped_step_time_by_hand():
         steps.overlapped_step_time(2, 1.0, 1.0, 100, 100, bucket_bytes=0)
 
 
+def test_roofline_by_hand():
+    # 1024 x 1024 in float32: 2 * 1024**3 FLOPs over 3 * 1024**2 * 4 bytes = 1024 / 6
+    assert steps.matmul_intensity(1024) == pytest.approx(1024 / 6)
+    assert steps.matmul_intensity(30, 2) == pytest.approx(10.0)
+    # 100 FLOP/s peak, 10 B/s: memory-bound below 10 FLOP/byte, compute-bound above
+    assert steps.roofline(2.0, 100.0, 10.0) == pytest.approx(20.0)
+    assert steps.roofline(50.0, 100.0, 10.0) == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="intensity must be a number > 0"):
+        steps.roofline(0, 1.0, 1.0)
+
+
 def test_hardware_figures_against_the_data_sheets():
     assert hardware.peak_flops("NVIDIA A100", "fp32") == 19.5e12
     assert hardware.peak_flops("NVIDIA A100", "bf16") == 312e12
