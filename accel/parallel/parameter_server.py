@@ -91,6 +91,7 @@ class _Server:
         self.curve_time = []
         self.t0 = clock()
         self.last_update = None
+        self.staleness_lr = False
 
     def snapshot(self) -> list[tf.Tensor]:
         with tf.device(self.ps_device):
@@ -126,6 +127,9 @@ class _Server:
         if self.mode not in SYNC_MODES:
             self.records.append(UpdateRecord(**record))
             self.examples += examples
+            stale = self.version - read_version
+            if self.staleness_lr and stale > 1:  # SGD: lr / tau is the gradient / tau
+                grads = [g / float(stale) for g in grads]
             return self.apply(grads, now)
         self.pending.append((worker, record, grads))
         if decision == "apply":
@@ -201,7 +205,8 @@ def train(mode: str, model_fn: Callable, loss_fn: Callable, params: Sequence[np.
           optimizer: float | object = 0.1, ps_device: str = "/device:CPU:0", k: int | None = None,
           delay: int | Sequence[int] | None = None, slowdown: Mapping[int, float] | None = None,
           step_time: float = 0.0, max_staleness: int | None = None, warmup_steps: int = 0,
-          eval_every: int = 0, clock: Callable[[], float] = time.perf_counter) -> TrainResult:
+          staleness_lr: bool = False, eval_every: int = 0,
+          clock: Callable[[], float] = time.perf_counter) -> TrainResult:
     """Train ``model_fn(params, x)`` from the initial ``params`` in ``mode`` (see ``MODES``).
 
     ``workers``: one device per worker; ``steps``: updates to apply; ``optimizer``: a learning
@@ -211,14 +216,17 @@ def train(mode: str, model_fn: Callable, loss_fn: Callable, params: Sequence[np.
     ``slowdown``: ``{worker: factor}`` makes those workers' steps ``factor`` times longer;
     ``step_time``: pad every step to at least this many seconds (a device's compute time, since
     virtual CPUs share cores). Mitigations: ``max_staleness`` drops staler gradients;
-    ``warmup_steps``: the first updates come from worker 0 alone (async) / without delay.
+    ``warmup_steps``: the first updates come from worker 0 alone (async) / without delay;
+    ``staleness_lr``: a gradient ``tau`` updates stale is applied with the learning rate divided
+    by ``tau`` (Zhang, Gupta, Lian & Liu 2016, staleness-aware async SGD; plain SGD only).
     ``eval_every``: sample the full-data loss every that many updates into ``result.curve``
     (and the seconds since the start into ``result.curve_time``).
     ``clock``: the time source of the records and of ``wall_time`` (start to last applied
     update). An argument the mode does not use is a ``ValueError`` naming the modes that use it.
     """
     delays = check_train_arguments(mode, len(workers), steps, k, delay, slowdown, step_time,
-                                   max_staleness, optimizer, warmup_steps, eval_every)
+                                   max_staleness, optimizer, warmup_steps, eval_every,
+                                   staleness_lr)
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
     batches = worker_batches(x, y, len(workers), batch_size)
     fns = [_grad_fn(model_fn, loss_fn, dev) for dev in workers]
@@ -227,6 +235,7 @@ def train(mode: str, model_fn: Callable, loss_fn: Callable, params: Sequence[np.
     k = {"sync": len(workers), "k_of_n": k}.get(mode, 1)
     server = _Server(mode, params, ps_device, optimizer, k, max_staleness, eval_fn, eval_every,
                      steps, clock)
+    server.staleness_lr = staleness_lr
     if eval_every and mode != "hogwild":
         server.curve.append((0, float(eval_fn(server.snapshot()))))
         server.curve_time.append(0.0)

@@ -36,7 +36,7 @@ SYNC_MODES = ("sync", "k_of_n")  # updates average k gradients of the current ve
 DECISIONS = ("apply", "hold", "drop")
 # keyword -> the modes that use it; any other mode refuses it
 MODE_ONLY = {"k": ("k_of_n",), "delay": ("delayed",), "max_staleness": ("async", "delayed"),
-              "warmup_steps": ("async", "delayed"),
+              "warmup_steps": ("async", "delayed"), "staleness_lr": ("async", "delayed"),
               "slowdown": ("sync", "k_of_n", "async", "hogwild"),
               "step_time": ("sync", "k_of_n", "async", "hogwild")}
 
@@ -224,7 +224,7 @@ def delay_schedule(steps: int, mean_delay: float, seed: int = 0) -> list[int]:
 
 def check_train_arguments(mode: str, num_workers: int, steps: int, k=None, delay=None,
                           slowdown=None, step_time=0.0, max_staleness=None, optimizer=0.1,
-                          warmup_steps=0, eval_every=0) -> list[int]:
+                          warmup_steps=0, eval_every=0, staleness_lr=False) -> list[int]:
     """Check the arguments of ``accel.parallel.parameter_server.train`` before any thread starts;
     return the per-gradient delays of the ``delayed`` mode ([] otherwise). An argument that
     ``mode`` does not use (see ``MODE_ONLY``) is a ``ValueError`` naming the modes that use it.
@@ -232,7 +232,7 @@ def check_train_arguments(mode: str, num_workers: int, steps: int, k=None, delay
     checks.one_of("mode", mode, MODES)
     given = {"k": k, "delay": delay, "max_staleness": max_staleness,
              "warmup_steps": warmup_steps or None, "slowdown": slowdown or None,
-             "step_time": step_time or None}
+             "step_time": step_time or None, "staleness_lr": staleness_lr or None}
     for name, value in given.items():
         if value is not None and mode not in MODE_ONLY[name]:
             raise ValueError(f"{name}={value!r} has no effect in mode {mode!r}; the modes "
@@ -256,6 +256,9 @@ def check_train_arguments(mode: str, num_workers: int, steps: int, k=None, delay
     checks.non_negative_int("eval_every", eval_every)
     if max_staleness is not None:
         checks.non_negative_int("max_staleness", max_staleness)
+    if staleness_lr and checks.learning_rate(optimizer) is None:
+        raise ValueError(f"staleness_lr divides the learning rate of plain SGD by the staleness: "
+                         f"optimizer must be a learning rate, got {type(optimizer).__name__}")
     if checks.learning_rate(optimizer) is None and mode == "hogwild":
         raise ValueError(f"hogwild applies plain SGD from several threads at once: optimizer "
                          f"must be a learning rate, got {type(optimizer).__name__}")

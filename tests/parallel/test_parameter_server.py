@@ -215,3 +215,28 @@ def test_keras_optimizer_matches_learning_rate(problem, four_devices):
                   batch_size=BATCH)
     with_keras = ps.train_sync(**common, optimizer=tf.keras.optimizers.SGD(LR))
     assert_params_close(with_keras.params, ps.train_sync(**common, optimizer=LR).params)
+
+
+def test_staleness_aware_learning_rate_by_hand(problem, four_devices):
+    """staleness_lr (Zhang et al. 2016): a gradient tau updates stale moves the parameters by
+    lr / tau, against a hand-written loop over the same reads; refused outside async modes and
+    with an optimizer object."""
+    common = dict(problem, workers=four_devices[1:2], ps_device=four_devices[0], steps=6,
+                  batch_size=BATCH, optimizer=LR)
+    shard = ps.worker_batches(problem["x"], problem["y"], 1, BATCH)[0]
+    run = ps.train_delayed(**common, delay=2, staleness_lr=True)
+    taus = run.staleness.tolist()
+    assert taus == [0, 1, 2, 2, 2, 2]
+    history = [[np.array(p) for p in problem["params"]]]
+    for t, tau in enumerate(taus):
+        g = gradient(history[t - tau], *shard[t % len(shard)])
+        step = LR / max(tau, 1)
+        history.append([p - step * gi for p, gi in zip(history[-1], g, strict=True)])
+    assert_params_close(run.params, history[-1])
+    plain = ps.train_delayed(**common, delay=2)
+    assert max(np.abs(a - b).max() for a, b in zip(plain.params, run.params, strict=True)) > 1e-4
+    with pytest.raises(ValueError, match="staleness_lr=True has no effect in mode 'sync'"):
+        ps.train_sync(**dict(common, workers=four_devices[1:]), staleness_lr=True)
+    with pytest.raises(ValueError, match="must be a learning rate"):
+        ps.train_delayed(**dict(common, optimizer=tf.keras.optimizers.SGD(LR)), delay=2,
+                         staleness_lr=True)
