@@ -1,5 +1,6 @@
-"""What ran when in one step: the timeline of a traced TF1 session run, and a
-``tf.profiler.experimental`` trace summarised as a table.
+"""What ran when in one step: a ``tf.profiler.experimental`` trace read back op by op (and drawn
+per device with a placement table), summarised as a table, and the timeline of a traced TF1
+session run.
 
 - ``traced_run(session, fetches, feed_dict)``: run once with ``RunOptions(trace_level=FULL_TRACE,
   output_partition_graphs=True)`` and return ``(result, RunMetadata)``.
@@ -13,6 +14,9 @@
   total them per op name, as a table.
 - ``op_runs(path)``: the TensorFlow ops of that file (op name, type, start and end on one
   clock for every thread): what ran when, in the order it ran.
+- ``device_timeline(runs, table)``: those ops on the lanes of the devices they ran on (a
+  ``placement_of`` table of the same function), with one ``'copy -> DEVICE'`` interval per
+  tensor sent between devices: the TF2 timeline of one step.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from accel import checks
-from accel.placement import short_device
+from accel.placement import Placement, short_device
 
 __all__ = ["Interval", "traced_run", "step_intervals", "copy_intervals", "profile_trace",
-           "TraceEvent", "trace_events", "OpRun", "op_runs", "summarize_trace", "format_summary",
+           "TraceEvent", "trace_events", "OpRun", "op_runs", "device_timeline", "summarize_trace",
+           "format_summary",
            "log_severity", "visible_at_level"]
 
 
@@ -201,6 +206,57 @@ def op_runs(path: str, plane: str = "/host:CPU") -> list[OpRun]:
     first = min(r[2] for r in runs)
     return sorted((OpRun(op, kind, s - first, e - first, thread)
                    for op, kind, s, e, thread in runs), key=lambda r: r.start)
+
+
+def device_timeline(runs: Sequence[OpRun], table: Placement,
+                    skip: Sequence[str] = ("_Arg", "_Retval", "NoOp")
+                    ) -> tuple[list[Interval], list[Interval]]:
+    """The ops of a profiler trace on the lanes of the devices they ran on: ``(ops, copies)``.
+
+    ``runs`` are ``op_runs`` of a trace of *one* call of a ``tf.function``; ``table`` is
+    ``accel.placement.placement_of`` of the same function (the trace names ops but not their
+    devices; the table's partition graphs give each op's device and every ``_Send``/``_Recv``
+    pair). Ops are matched by name, types in ``skip`` are left out, and times are in ms from the
+    first matched op.
+
+    ``copies`` has one interval per tensor sent between devices, on a lane named
+    ``'copy -> DEVICE'``: from the start of its ``_Send`` (the profiler records sends; where the
+    trace has none, from the end of the op that made the tensor) to the start of the first op
+    that used it on the receiving device. That span is the send, the hand-over and the
+    consumer's wait to be scheduled, not a measured transfer: ``_Recv`` leaves no event.
+    """
+    if not isinstance(table, Placement):
+        raise ValueError(f"table must be an accel.placement.Placement (placement_of's result), "
+                         f"got {type(table).__name__}")
+    device = {r.name: r.device for r in table.rows}
+    kind = {r.name: r.op_type for r in table.rows}
+    hits = [r for r in runs if r.name in device and kind[r.name] not in skip]
+    if not hits:
+        raise ValueError("no op of the trace is in the table: trace one call of the function "
+                         "whose placement_of table you pass")
+    t0 = min(r.start for r in hits)
+    ops = sorted((Interval(device[r.name], r.start - t0, r.end - t0, r.name, kind[r.name])
+                  for r in hits), key=lambda i: (i.start, i.lane, i.name))
+    start, end = {}, {}
+    for i in ops:  # the first run of each op
+        start.setdefault(i.name, i.start)
+        end.setdefault(i.name, i.end)
+    nodes = [(short_device(n.device), n) for g in table.graphs for n in g.node]
+    recv = {n.attr["tensor_name"].s.decode(): (dev, n.name) for dev, n in nodes
+            if n.op == "_Recv"}
+    copies = []
+    for _dev, n in nodes:
+        if n.op != "_Send" or not n.input:
+            continue
+        src = n.input[0].split(":")[0].lstrip("^")
+        begin = start.get(n.name, end.get(src))
+        to, rname = recv.get(n.attr["tensor_name"].s.decode(), (None, None))
+        users = [start[m.name] for d, m in nodes if d == to and m.name in start
+                 and any(i.split(":")[0].lstrip("^") == rname for i in m.input)]
+        if begin is not None and users:
+            copies.append(Interval(f"copy -> {to}", begin, max(begin, min(users)), src,
+                                   "_Send/_Recv"))
+    return ops, sorted(copies, key=lambda i: (i.start, i.lane))
 
 
 def summarize_trace(events: Iterable[TraceEvent], names: Sequence[str] | None = None,

@@ -80,3 +80,16 @@ def test_default_kernels_serve_the_cpu_too():
     assert "float32" not in table.get("CPU", []) and "float32" in table["DEFAULT"]
     fn = tf.function(lambda x: tf.raw_ops.NextIteration(data=x))
     assert kernels.kernel_gaps(fn, tf.ones(2), device_type="CPU") == []
+
+
+def test_tf2_variable_handle_has_no_int32_gpu_or_default_kernel():
+    """Chapter 03's TF2 case: VarHandleOp (tf.Variable) has one unconstrained CPU kernel and
+    DEFAULT kernels per dtype (resource_variable_ops.cc), int64 among them, int32 not; so an int32
+    tf.Variable asked for a GPU is moved to the CPU by soft placement (or fails without it)."""
+    table = kernels.registered_kernels("VarHandleOp")
+    assert table["CPU"] == ["any"]
+    assert "GPU" not in table
+    assert {"float32", "int64"} <= set(table["DEFAULT"]) and "int32" not in table["DEFAULT"]
+    fn = tf.function(lambda: tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[]))
+    assert kernels.kernel_gaps(fn, device_type="GPU") == [("VarHandleOp", "VarHandleOp", "int32")]
+    assert kernels.kernel_gaps(fn, device_type="CPU") == []

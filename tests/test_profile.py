@@ -129,3 +129,72 @@ def test_tf_cpp_min_log_level_hides_what_visible_at_level_predicts(level):
     assert any(sev == "INFO" and msg.startswith("Executing op") for sev, msg in everything)
     hidden = ("INFO", "WARNING", "ERROR")[:level]
     assert logged_at(level) == [(s, m) for s, m in everything if s not in hidden]
+
+
+def _node(name, op, device, inputs=(), tensor=None):
+    node = tf.compat.v1.NodeDef(name=name, op=op, device=device, input=list(inputs))
+    if tensor is not None:
+        node.attr["tensor_name"].s = tensor.encode()
+    return node
+
+
+def _two_device_table():
+    """A hand-built table: `a` on CPU:0 is sent to CPU:1, where `c` reads it."""
+    cpu0, cpu1 = "/job:localhost/replica:0/task:0/device:CPU:0", \
+        "/job:localhost/replica:0/task:0/device:CPU:1"
+    g0, g1 = tf.compat.v1.GraphDef(), tf.compat.v1.GraphDef()
+    g0.node.extend([_node("a", "MatMul", cpu0), _node("a/_1", "_Send", cpu0, ["a"], "edge_1_a")])
+    g1.node.extend([_node("a/_2", "_Recv", cpu1, tensor="edge_1_a"),
+                    _node("c", "AddV2", cpu1, ["a/_2", "y"])])
+    rows = [placement.OpPlacement(n.name, n.op, placement.short_device(n.device))
+            for g in (g0, g1) for n in g.node]
+    return placement.Placement(rows, graphs=[g0, g1])
+
+
+def test_device_timeline_on_a_hand_built_trace_and_table():
+    table = _two_device_table()
+    runs = [profile.OpRun("ThreadpoolListener:", "Record", 0.0, 0.0),  # not an op: ignored
+            profile.OpRun("a", "MatMul", 1.0, 3.0), profile.OpRun("c", "AddV2", 5.0, 6.0)]
+    ops, copies = profile.device_timeline(runs, table)
+    assert ops == [profile.Interval("/device:CPU:0", 0.0, 2.0, "a", "MatMul"),
+                   profile.Interval("/device:CPU:1", 4.0, 5.0, "c", "AddV2")]
+    # no event for the send: the copy lane starts where its producer ended
+    assert copies == [profile.Interval("copy -> /device:CPU:1", 2.0, 4.0, "a", "_Send/_Recv")]
+    runs.append(profile.OpRun("a/_1", "_Send", 3.5, 3.6))  # with the send's own event
+    ops, copies = profile.device_timeline(runs, table)
+    assert [i.name for i in ops] == ["a", "a/_1", "c"]
+    assert copies == [profile.Interval("copy -> /device:CPU:1", 2.5, 4.0, "a", "_Send/_Recv")]
+
+
+def test_device_timeline_bad_arguments():
+    with pytest.raises(ValueError, match="table must be an accel.placement.Placement"):
+        profile.device_timeline([], {"a": "/cpu:0"})
+    with pytest.raises(ValueError, match="no op of the trace is in the table"):
+        profile.device_timeline([profile.OpRun("other", "Sin", 0.0, 1.0)], _two_device_table())
+
+
+def test_device_timeline_of_a_traced_function_matches_its_placement(four_devices, tmp_path):
+    @tf.function
+    def step(x):
+        with tf.device("/cpu:0"):
+            a = tf.matmul(tf.matmul(x, x), x)
+        with tf.device("/cpu:1"):
+            b = tf.matmul(x, x)
+        with tf.device("/cpu:0"):
+            return a + b
+
+    xs = tf.ones((64, 64))
+    table = placement.placement_of(step, xs)
+    step(xs)  # traced before the profile
+    runs = profile.op_runs(profile.profile_trace(lambda: step(xs), str(tmp_path)))
+    ops, copies = profile.device_timeline(runs, table)
+    # a hand-written table of where each op ran and which tensors crossed
+    assert sorted((i.lane, i.op_type) for i in ops if i.op_type != "_Send") == [
+        ("/device:CPU:0", "AddV2"), ("/device:CPU:0", "MatMul"), ("/device:CPU:0", "MatMul"),
+        ("/device:CPU:1", "MatMul")]
+    assert sorted((c.name, c.lane) for c in copies) == [
+        ("MatMul_2", "copy -> /device:CPU:0"), ("x", "copy -> /device:CPU:1")]
+    at = {i.name: i for i in ops}
+    assert at["add"].start >= max(at["MatMul_1"].end, at["MatMul_2"].end)
+    back = next(c for c in copies if c.name == "MatMul_2")
+    assert back.start == at["MatMul_2/_3"].start and back.end == at["add"].start

@@ -3,11 +3,16 @@
 These are *peak* figures: real training reaches a fraction of a peak FLOP/s (the cost models take
 a utilisation) and real copies reach ~70-90% of a link's nominal bandwidth.
 
-Peaks are dense (NVIDIA's data sheets also print 2x "with sparsity" figures, not used here).
+Peaks are dense: NVIDIA's and AMD's data sheets also print "with sparsity" figures (2:4
+structured sparsity, twice the dense ones for TF32 and below), which are not used here.
 Training in TensorFlow on V100 and newer runs its matmuls and convolutions on the tensor cores
 when the dtype allows: TF32 for float32 on Ampere and newer (TensorFlow enables TF32 by default:
 ``tf.config.experimental.enable_tensor_float_32_execution``), FP16/BF16 under mixed precision.
-The FP32 figure is what a float32 run sees on a V100, or with TF32 switched off.
+The FP32 figure is what a float32 run sees on a V100, or with TF32 switched off. ``fp64`` is the
+FP64 tensor-core (NVIDIA) or matrix-core (AMD) figure where there is one.
+
+``BLOCK_FORMATS`` lists the block-scaled 8-, 6- and 4-bit formats (OCP MX, NVIDIA's NVFP4) with
+their block and scale sizes; ``bits_per_element`` counts what one value costs with its scale.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from accel import checks
 
 __all__ = ["Spec", "PEAK_TFLOPS", "LINKS", "peak_flops", "link_bandwidth", "PRECISIONS",
            "MEMORY_GB", "NODES", "DATASHEET_LINKS", "datasheet_name", "datasheet_peak",
-           "RECORDS", "records", "achievable"]
+           "RECORDS", "records", "achievable", "BlockFormat", "BLOCK_FORMATS",
+           "bits_per_element"]
 
 
 @dataclass(frozen=True)
@@ -36,8 +42,20 @@ _A100 = "NVIDIA A100 Tensor Core GPU data sheet (SXM), 2020"
 _H100 = "NVIDIA H100 Tensor Core GPU data sheet (SXM), 2022"
 _H200 = "NVIDIA H200 Tensor Core GPU data sheet (SXM), 2024"
 _K520 = "NVIDIA GRID K520 board specification: 2 GK104 GPUs, 4.9 TFLOP/s FP32 per board"
+_B200 = ("NVIDIA HGX B200 specifications (8 GPUs), 2025: per GPU, the board's figures / 8, "
+         "dense (the sheet prints TF32 to FP4 with sparsity: twice these)")
+_DGX_B200 = "NVIDIA DGX B200 data sheet, 2025: 1,440 GB of HBM3e, 64 TB/s, over 8 GPUs"
+_MI300X_SHEET = "AMD Instinct MI300X data sheet, 2023"
+_MI325X_SHEET = "AMD Instinct MI325X data sheet, 2024"
+_MI355X_SHEET = "AMD Instinct MI355X data sheet, 2025"
+_MI300X = _MI300X_SHEET + " (dense; 'with sparsity' is twice)"
+_MI325X = _MI325X_SHEET + " (the MI300X's CDNA 3 chip: the same dense peaks)"
+_MI355X = (_MI355X_SHEET + " (dense; printed rounded, 2.5 / 5.0 / 10.1 PFLOP/s: 256 CUs x "
+           "2.4 GHz x 4,096 / 8,192 / 16,384 FLOPs per CU per clock, CDNA 4 white paper)")
 
-PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
+# "fp8": E4M3 / E5M2 (per-tensor scaled, or block-scaled MXFP8 where the GPU reads MX scales);
+# "fp4": FP4 (E2M1) values with a scale per block (MXFP4, NVFP4: BLOCK_FORMATS)
+PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
 
 # device -> precision -> dense peak in TFLOP/s (a precision is absent where there is no unit)
 PEAK_TFLOPS: dict[str, dict[str, Spec]] = {
@@ -56,6 +74,31 @@ PEAK_TFLOPS: dict[str, dict[str, Spec]] = {
                         "fp32": Spec(67.0, _H200), "tf32": Spec(494.7, _H200),
                         "bf16": Spec(989.4, _H200), "fp16": Spec(989.4, _H200),
                         "fp8": Spec(1978.9, _H200 + " (FP8 Tensor Core)")},
+    # Blackwell (HGX B200, 1,000 W per GPU); FP4 is NVFP4 or MXFP4, at twice the FP8 rate
+    "NVIDIA B200": {"fp64": Spec(37.0, _B200 + " (FP64 / FP64 Tensor Core: 296 TFLOP/s)"),
+                    "fp32": Spec(75.0, _B200 + " (FP32: 600 TFLOP/s)"),
+                    "tf32": Spec(1125.0, _B200 + " (TF32 Tensor Core: 18 PFLOP/s sparse)"),
+                    "bf16": Spec(2250.0, _B200 + " (FP16/BF16 Tensor Core: 36 PFLOP/s sparse)"),
+                    "fp16": Spec(2250.0, _B200 + " (FP16/BF16 Tensor Core: 36 PFLOP/s sparse)"),
+                    "fp8": Spec(4500.0, _B200 + " (FP8/FP6 Tensor Core: 72 PFLOP/s sparse)"),
+                    "fp4": Spec(9000.0, _B200 + " (FP4 Tensor Core: 144 PFLOP/s sparse)")},
+    "AMD MI300X": {"fp64": Spec(163.4, _MI300X + " (FP64 matrix)"),
+                   "fp32": Spec(163.4, _MI300X + " (FP32 vector)"),
+                   "tf32": Spec(653.7, _MI300X), "bf16": Spec(1307.4, _MI300X),
+                   "fp16": Spec(1307.4, _MI300X),
+                   "fp8": Spec(2614.9, _MI300X + " (FP8: E4M3 / E5M2 in their FNUZ variants, "
+                                                 "ROCm's data types and precision support page)")},
+    "AMD MI325X": {"fp64": Spec(163.4, _MI325X + " (FP64 matrix)"),
+                   "fp32": Spec(163.4, _MI325X + " (FP32 vector)"),
+                   "tf32": Spec(653.7, _MI325X), "bf16": Spec(1307.4, _MI325X),
+                   "fp16": Spec(1307.4, _MI325X), "fp8": Spec(2614.9, _MI325X + " (FNUZ FP8)")},
+    # CDNA 4 has no TF32 matrix unit: hipBLASLt emulates TF32 with BF16 products on it
+    # (ROCm/hipBLASLt pull request 1806, "TF32 Emulation for gfx950")
+    "AMD MI355X": {"fp64": Spec(78.6, _MI355X + " (FP64 matrix)"),
+                   "fp32": Spec(157.3, _MI355X + " (FP32 vector)"),
+                   "bf16": Spec(2516.6, _MI355X), "fp16": Spec(2516.6, _MI355X),
+                   "fp8": Spec(5033.2, _MI355X),
+                   "fp4": Spec(10066.3, _MI355X + " (MXFP4; MXFP6 at the same rate)")},
 }
 
 _PCIE = "PCI-SIG base specifications: 8 / 16 / 32 GT/s per lane, 128b/130b encoding"
@@ -71,6 +114,10 @@ LINKS: dict[str, Spec] = {
     "HBM2e (A100 80GB device memory)": Spec(2039.0, _A100),
     "HBM3 (H100 SXM device memory)": Spec(3350.0, _H100),
     "HBM3e (H200 SXM device memory)": Spec(4800.0, _H200 + ": 4.8 TB/s"),
+    "HBM3e (B200 device memory)": Spec(8000.0, _DGX_B200 + ": 8 TB/s per GPU"),
+    "HBM3 (MI300X device memory)": Spec(5300.0, _MI300X_SHEET + ": 5.3 TB/s"),
+    "HBM3E (MI325X device memory)": Spec(6000.0, _MI325X_SHEET + ": 6 TB/s"),
+    "HBM3E (MI355X device memory)": Spec(8000.0, _MI355X_SHEET + ": 8 TB/s"),
     "10 Gb Ethernet": Spec(1.25, "IEEE 802.3ae: 10 Gb/s"),
     "100 Gb Ethernet": Spec(12.5, "IEEE 802.3ba: 100 Gb/s"),
     "InfiniBand HDR (200 Gb/s)": Spec(25.0, "InfiniBand Trade Association roadmap: HDR 200 Gb/s"),
@@ -84,6 +131,10 @@ MEMORY_GB: dict[str, Spec] = {
     "NVIDIA A100": Spec(80.0, _A100 + " (80 GB model)"),
     "NVIDIA H100 SXM": Spec(80.0, _H100),
     "NVIDIA H200 SXM": Spec(141.0, _H200),
+    "NVIDIA B200": Spec(180.0, _DGX_B200),
+    "AMD MI300X": Spec(192.0, _MI300X_SHEET + ": 192 GB HBM3"),
+    "AMD MI325X": Spec(256.0, _MI325X_SHEET + ": 256 GB HBM3E"),
+    "AMD MI355X": Spec(288.0, _MI355X_SHEET + ": 288 GB HBM3E"),
 }
 
 _DGX_A100 = ("NVIDIA DGX A100 data sheet, 2020: 8 A100 GPUs joined by NVSwitch, 8 single-port "
@@ -92,6 +143,46 @@ _DGX_A100 = ("NVIDIA DGX A100 data sheet, 2020: 8 A100 GPUs joined by NVSwitch, 
 NODES: dict[str, tuple[int, Spec]] = {
     "DGX A100": (8, Spec(25.0, _DGX_A100 + ": one 200 Gb/s (25 GB/s) adapter per GPU")),
 }
+
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A block-scaled number format: ``block`` values of ``element_bits`` each share one scale of
+    ``scale_bits``."""
+
+    element: str
+    element_bits: int
+    block: int
+    scale: str
+    scale_bits: int
+    source: str
+
+
+_OCP_MX = ("OCP Microscaling Formats (MX) Specification v1.0, 2023: blocks of 32 values sharing "
+           "one E8M0 scale (a power of two)")
+_NVFP4 = ("NVIDIA NVFP4 (Blackwell): blocks of 16 FP4 values, each with an E4M3 scale (cuBLASLt "
+          "scale mode CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3), plus one FP32 scale per tensor")
+_DEEPSEEK = ("DeepSeek-V3 technical report (arXiv:2412.19437): activations in FP8 with one FP32 "
+             "scale per 1x128 tile, weights per 128x128 block (cuBLASLt scale modes VEC128_32F, "
+             "BLK128x128_32F)")
+# name -> format; what the tensor cores of Blackwell (compute capability 10) and the matrix
+# cores of CDNA 4 read with the scales applied inside the matmul (MX formats on both)
+BLOCK_FORMATS: dict[str, BlockFormat] = {
+    "MXFP8": BlockFormat("E4M3 or E5M2", 8, 32, "E8M0", 8, _OCP_MX),
+    "MXFP6": BlockFormat("E2M3 or E3M2", 6, 32, "E8M0", 8, _OCP_MX),
+    "MXFP4": BlockFormat("E2M1", 4, 32, "E8M0", 8, _OCP_MX),
+    "NVFP4": BlockFormat("E2M1", 4, 16, "E4M3", 8, _NVFP4),
+    "FP8, 1x128 tiles": BlockFormat("E4M3", 8, 128, "FP32", 32, _DEEPSEEK),
+}
+
+
+def bits_per_element(name: str) -> float:
+    """Bits one value of the block-scaled format ``name`` (a key of ``BLOCK_FORMATS``) costs,
+    its share of the block's scale included (NVFP4's one FP32 scale per tensor left out)."""
+    checks.one_of("name", name, BLOCK_FORMATS)
+    fmt = BLOCK_FORMATS[name]
+    return fmt.element_bits + fmt.scale_bits / fmt.block
 
 
 def peak_flops(device: str, precision: str = "fp32") -> float:
@@ -117,15 +208,24 @@ DATASHEET_LINKS: dict[str, dict[str, str]] = {
     "NVIDIA A100": {"memory": "HBM2e (A100 80GB device memory)", "host": "PCIe 4.0 x16"},
     "NVIDIA H100 SXM": {"memory": "HBM3 (H100 SXM device memory)", "host": "PCIe 5.0 x16"},
     "NVIDIA H200 SXM": {"memory": "HBM3e (H200 SXM device memory)", "host": "PCIe 5.0 x16"},
+    "NVIDIA B200": {"memory": "HBM3e (B200 device memory)"},
+    "AMD MI300X": {"memory": "HBM3 (MI300X device memory)", "host": "PCIe 5.0 x16"},
+    "AMD MI325X": {"memory": "HBM3E (MI325X device memory)", "host": "PCIe 5.0 x16"},
+    "AMD MI355X": {"memory": "HBM3E (MI355X device memory)", "host": "PCIe 5.0 x16"},
 }
 
 
 def datasheet_name(reported: str) -> str | None:
     """The key of ``PEAK_TFLOPS`` whose data sheet describes the device a driver reports as
-    ``reported`` (e.g. ``"NVIDIA H100 80GB HBM3"``, the SXM board; ``"NVIDIA H200"``), or
-    ``None`` where this module has no data sheet for it (an H100 PCIe or NVL, an H200 NVL, a
-    CPU)."""
+    ``reported`` (e.g. ``"NVIDIA H100 80GB HBM3"``, the SXM board; ``"NVIDIA H200"``;
+    ``"AMD Instinct MI300X"``), or ``None`` where this module has no data sheet for it (an H100
+    PCIe or NVL, an H200 NVL, a GB200's GPU, a CPU)."""
     name = reported.upper()
+    for marker in ("MI300X", "MI325X", "MI355X"):
+        if marker in name:
+            return f"AMD {marker}"
+    if "B200" in name:
+        return None if "GB200" in name else "NVIDIA B200"
     if "H200" in name:
         return None if "NVL" in name else "NVIDIA H200 SXM"
     if "H100" in name:

@@ -18,7 +18,8 @@ import tensorflow as tf
 
 from accel.timing import format_ratios, time_fn
 
-__all__ = ["bench", "chain_function", "consume_function", "measure_copy_cost"]
+__all__ = ["bench", "chain_function", "consume_function", "measure_hop_cost",
+           "measure_copy_cost"]
 
 
 def chain_function(devices: Sequence[str], length: int) -> tf.types.experimental.GenericFunction:
@@ -46,6 +47,39 @@ def consume_function(device: str) -> tf.types.experimental.GenericFunction:
             return tf.reduce_sum(x * 2.0)
 
     return consume
+
+
+def measure_hop_cost(devices: Sequence[str] = ("/cpu:0", "/cpu:1"), chain: int = 64,
+                     repeat: int = 7, verbose: bool = False) -> dict[str, float]:
+    """Time the per-edge effect alone: a chain of ``chain`` small steps on ``devices[0]`` vs the
+    same chain hopping between ``devices[0]`` and ``devices[1]`` at every step.
+
+    Both sides get the same warm-up (2 calls) and report the median of ``repeat`` calls on one
+    clock. Returns the two median times (s), ``chain_ratio`` (hopping / one device) and the
+    chain's costs in microseconds: ``us_per_op`` (the one-device chain's time / its ``chain``
+    steps) and ``us_per_hop`` (the hopping chain's extra time / its ``chain - 1`` device
+    crossings). Between logical CPUs of one process a crossing moves no byte, so the per-hop
+    figure is scheduling (a rendezvous hand-off between executor threads); on two shared cores
+    it moves with the machine's load, and is below zero when the hopping run happened to be the
+    faster: read it beside the run's ceiling (``accel.timing.ceiling_line``).
+    """
+    if len(devices) < 2:
+        raise ValueError(f"need two devices to compare, got {list(devices)}")
+    if chain < 2:
+        raise ValueError(f"chain must be >= 2 (one crossing at least), got {chain}")
+    small = tf.ones((256,))
+    times = {}
+    for label, devs in (("chain on one device", devices[:1]), ("chain hopping", devices[:2])):
+        fn = chain_function(list(devs), chain)
+        times[label] = time_fn(lambda fn=fn: fn(small).numpy(), repeat=repeat, warmup=2)
+    per_op = times["chain on one device"] / chain * 1e6
+    per_hop = (times["chain hopping"] - times["chain on one device"]) / (chain - 1) * 1e6
+    if verbose:
+        print(format_ratios(times, "chain on one device"))
+        print(f"per step of the chain: {per_op:.1f} us; per device crossing, beyond that: "
+              f"{per_hop:.1f} us")
+    return {**times, "chain_ratio": times["chain hopping"] / times["chain on one device"],
+            "us_per_op": per_op, "us_per_hop": per_hop}
 
 
 def measure_copy_cost(devices: Sequence[str] = ("/cpu:0", "/cpu:1"), size: int = 2**22,

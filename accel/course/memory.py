@@ -1,10 +1,12 @@
 """Chapters 04 and 05's experiments: the memory benchmark, the measured ``04_memory.png`` figure
-(saved by the chapter's cell, not by ``make images``), the inter-op overlap probe, and the
-exercise checks (each returns "exercise N: not answered yet" for ``None``, "correct ..." or what
-is still wrong; the solutions live in ``tests/course/test_memory.py``)."""
+(saved by the chapter's cell, not by ``make images``), the inter-op overlap probe, the cost
+models of a transformer's training memory and of recomputation, and the exercise checks (each
+returns "exercise N: not answered yet" for ``None``, "correct ..." or what is still wrong; the
+solutions live in ``tests/course/test_memory.py``)."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -12,15 +14,17 @@ import numpy as np
 import tensorflow as tf
 
 from accel import checks, profile
-from accel.memory.estimate import MIB, OPTIMIZERS, estimate_training_memory
+from accel.costmodel import transformer as transformer_cost
+from accel.memory.estimate import MIB
 from accel.memory.measure import memory_device, peak_during, tape_kept_bytes
 from accel.memory.savings import gradient_step, measure_variants_anywhere, residual_mlp
 from accel.memory.savings import ratios as variant_ratios
 from accel.timing import format_ratios
 
 __all__ = ["bench_memory", "figure_memory", "process_threads", "process_rss", "two_chains",
-           "overlapping_pairs", "step_breakdown", "check_one_buffer", "check_half_pays",
-           "check_overflow_steps"]
+           "overlapping_pairs", "step_breakdown", "MIXED_ADAM_BYTES", "transformer_memory",
+           "recomputation_plans", "check_one_buffer", "check_half_pays", "check_overflow_steps",
+           "check_xla_compilations"]
 
 
 def bench_memory(device_names: Sequence[str] = (), quick: bool = False) -> dict:
@@ -39,33 +43,20 @@ def bench_memory(device_names: Sequence[str] = (), quick: bool = False) -> dict:
 
 
 def figure_memory(results: dict[str, dict[str, float]]):
-    """Memory breakdown of a small MLP under three optimizers (left, estimated) and the measured
-    memory and time ratios of recomputation and mixed precision (right, from ``results`` of
-    ``accel.memory.savings.measure_variants``)."""
+    """The measured peak-memory and step-time ratios of recomputation and half precision to the
+    plain step (``results`` of ``accel.memory.savings.measure_variants``)."""
     import matplotlib.pyplot as plt
 
-    model = tf.keras.Sequential([tf.keras.Input((512,)), tf.keras.layers.Dense(512, "relu"),
-                                 tf.keras.layers.Dense(512, "relu"), tf.keras.layers.Dense(10)])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
-    bottom = np.zeros(3)
-    names = list(OPTIMIZERS)
-    parts = [estimate_training_memory(model, o, batch_size=256).as_dict() for o in names]
-    for part in ("weights", "gradients", "optimizer_slots", "activations", "workspace", "batch"):
-        vals = np.array([p[part] / MIB for p in parts])
-        left.bar(names, vals, bottom=bottom, label=part)
-        bottom += vals
-    left.set_ylabel("MiB (estimate)")
-    left.set_title("MLP 512-512-512-10, batch 256")
-    left.legend(fontsize=7)
+    fig, ax = plt.subplots(figsize=(6, 3.4))
     ratios = variant_ratios(results)
     xs = np.arange(len(ratios))
-    right.bar(xs - 0.2, [r["peak_mib"] for r in ratios.values()], 0.4, label="peak memory")
-    right.bar(xs + 0.2, [r["seconds"] for r in ratios.values()], 0.4, label="step time")
-    right.axhline(1.0, color="grey", lw=0.8, ls="--")
-    right.set_xticks(xs, list(ratios))
-    right.set_ylabel("ratio to plain (measured, CPU)")
-    right.set_title("residual MLP step, tf.function")
-    right.legend(fontsize=7)
+    ax.bar(xs - 0.2, [r["peak_mib"] for r in ratios.values()], 0.4, label="peak memory")
+    ax.bar(xs + 0.2, [r["seconds"] for r in ratios.values()], 0.4, label="step time")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(xs, list(ratios))
+    ax.set_ylabel("ratio to plain (measured, CPU)")
+    ax.set_title("residual MLP step, tf.function")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
@@ -156,6 +147,88 @@ def _matmul_breakdown(runs, logdir: str) -> dict:
             "backward_ms": max(r.end for r in backward) - turn,
             "intervals": [(threads[r.thread], r.start, r.end,
                            "backward" if r in backward else "forward") for r in matmuls]}
+
+
+# Bytes per parameter of mixed-precision training with Adam as ZeRO counts them (Rajbhandari et
+# al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", arXiv:1910.02054,
+# section 3.1): 16-bit weights and gradients, and the optimizer's fp32 state (a master copy of
+# the weights and Adam's two moments), 16 in all.
+MIXED_ADAM_BYTES: dict[str, int] = {
+    "weights (bf16/fp16)": 2, "gradients (bf16/fp16)": 2, "master weights (fp32)": 4,
+    "Adam m (fp32)": 4, "Adam v (fp32)": 4,
+}
+
+
+def _check_shape(layers, hidden, heads, seq, batch) -> None:
+    for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("seq", seq),
+                        ("batch", batch)):
+        checks.positive_int(name, value)
+    if hidden % heads:
+        raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
+
+
+def transformer_memory(params: int, layers: int, hidden: int, heads: int, seq: int,
+                       batch: int = 1, flash_attention: bool = False) -> dict[str, float]:
+    """Bytes one device holds to train a GPT-style transformer of ``params`` parameters and
+    ``layers`` layers (hidden size ``hidden``, ``heads`` attention heads) on ``batch`` sequences
+    of ``seq`` tokens, with mixed-precision Adam, no sharding and no recomputation: the model
+    states of ``MIXED_ADAM_BYTES`` (one entry per part), their sum ``"model states"``, the
+    ``"activations"`` the layers keep for the backward pass, and the ``"total"``.
+
+    Activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models", arXiv:2205.05198, section 4.1; 16-bit, dropout masks included):
+    ``s b h (34 + 5 a s / h)`` bytes; the ``5 a s / h`` part is attention's ``s x s`` scores,
+    softmax and dropout mask per head, which FlashAttention does not store
+    (``flash_attention=True`` keeps ``34 s b h``). Not counted: the embedding's and the logits'
+    activations, the kernels' workspace, the allocator's fragmentation."""
+    checks.positive_int("params", params)
+    _check_shape(layers, hidden, heads, seq, batch)
+    out: dict[str, float] = {part: per * params for part, per in MIXED_ADAM_BYTES.items()}
+    out["model states"] = sum(MIXED_ADAM_BYTES.values()) * params
+    per_layer = (34 * seq * batch * hidden if flash_attention
+                 else transformer_cost.layer_activation_bytes(batch, seq, hidden, heads))
+    out["activations"] = layers * per_layer
+    out["total"] = out["model states"] + out["activations"]
+    return out
+
+
+def recomputation_plans(layers: int, hidden: int, heads: int, seq: int,
+                        batch: int = 1) -> dict[str, tuple[float, float]]:
+    """A cost model of activation recomputation for the transformer of ``transformer_memory``:
+    plan -> (activation bytes at the backward pass's peak, extra training FLOPs as a fraction of
+    a step without recomputation). With ``A = s b h (34 + 5 a s / h)``, one layer's stored
+    activations (Korthikanti et al. 2022, section 4.1), and ``2 s b h`` its 16-bit input:
+
+    * ``"keep everything"``: ``L A``, nothing recomputed;
+    * ``"selective"`` (recompute attention's scores, softmax and dropout; Korthikanti et al.,
+      section 5): ``L 34 s b h`` kept, plus one layer's ``5 a s^2 b`` rebuilt at a time; extra
+      work: the two score matmuls, ``4 b s^2 h`` per layer;
+    * ``"full, every layer"`` (keep each layer's input, rerun its forward): ``2 s b h L + A``;
+      extra work: one forward pass, a third of a training step (``accel.costmodel.transformer``:
+      3 passes);
+    * ``"sqrt(L) segments"`` (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost",
+      arXiv:1604.06174, section 4: keep the input of every k-th layer, ``k = round(sqrt(L))``,
+      and rebuild one segment of ``k`` layers at a time): ``2 s b h ceil(L / k) + k A``; extra
+      work: one forward pass.
+
+    FLOPs count the matmuls (Narayanan et al. 2021, eq. 3, as ``accel.costmodel.transformer``);
+    the memory of the plans that keep less than a layer counts what one layer rebuilds at a time
+    (Korthikanti et al. count only what is kept)."""
+    _check_shape(layers, hidden, heads, seq, batch)
+    s, b, h, n = seq, batch, hidden, layers
+    stored = transformer_cost.layer_activation_bytes(b, s, h, heads)
+    scores = 5 * heads * s * s * b
+    step = transformer_cost.layer_flops(b, s, h, passes=3)
+    forward = transformer_cost.layer_flops(b, s, h, passes=1)
+    score_matmuls = forward - transformer_cost.layer_flops(b, s, h, passes=1,
+                                                           attention_scores=False)
+    k = max(1, round(math.sqrt(n)))
+    return {
+        "keep everything": (n * stored, 0.0),
+        "selective": (n * 34 * s * b * h + scores, score_matmuls / step),
+        "full, every layer": (2 * s * b * h * n + stored, forward / step),
+        "sqrt(L) segments": (2 * s * b * h * math.ceil(n / k) + k * stored, forward / step),
+    }
 
 
 def _sum_and_squares(seed):
@@ -315,3 +388,28 @@ def check_overflow_steps(answer, gradient: float = 8.0) -> str:
         return f"exercise 2: correct: {skipped} steps skipped, then scale {scale:g}"
     return (f"exercise 2: not yet: {mine} is not it; float16's largest number is 65504, and "
             "each skipped step halves the scale")
+
+
+def check_xla_compilations(answer, compiled) -> str:
+    """05, exercise 3: how many XLA programs a ``jit_compile=True`` model compiles when ``fit``
+    trains it on 1000 examples at batch size 64 for 2 epochs and ``evaluate`` then runs 250 at
+    batch size 100. ``compiled(name)`` counts the programs compiled so far for functions called
+    ``name`` (the chapter counts XLA's dump files); the check counts those of Keras's train and
+    test step, ``one_step_on_data``, before and after the two calls."""
+    if answer is None:
+        return "exercise 3: not answered yet"
+    if isinstance(answer, bool) or not isinstance(answer, int) or answer < 0:
+        return "exercise 3: answer with a number of compilations (an int >= 0)"
+    import keras
+
+    before = compiled("one_step_on_data")
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, "relu"),
+                              keras.layers.Dense(1)])
+    model.compile("sgd", "mse", jit_compile=True)
+    xs, ys = np.zeros((1000, 16), "float32"), np.zeros((1000, 1), "float32")
+    model.fit(xs, ys, batch_size=64, epochs=2, verbose=0)
+    model.evaluate(xs[:250], ys[:250], batch_size=100, verbose=0)
+    got = compiled("one_step_on_data") - before
+    if answer == got:
+        return f"exercise 3: correct: {got} compilations"
+    return f"exercise 3: not yet: {answer} is not it; count the batch sizes each loop meets"

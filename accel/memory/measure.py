@@ -4,7 +4,8 @@
 * ``peak_during(fn, device)``: the allocator's peak above the level before ``fn`` ran;
 * ``tape_kept_tensors`` / ``tape_kept_bytes``: the forward tensors the backward pass reads;
 * ``measure_step_peak``: the peak of one eager training step;
-* ``measure_conv_workspace``: the scratch this machine's convolution kernels take.
+* ``measure_conv_workspace``: the scratch this machine's convolution kernels take
+  (``input_gradient_needed``: whether a step computes a layer's input gradient).
 
 On CPU the allocator reports only when ``TF_CPU_ALLOCATOR_USE_BFC=true`` was set before
 TensorFlow was imported (see ``accel.memory.estimate``).
@@ -22,7 +23,7 @@ from accel import checks
 from accel.memory.estimate import POLICIES, nbytes, tensor_bytes
 
 __all__ = ["memory_device", "peak_during", "tape_kept_tensors", "tape_kept_bytes",
-           "measure_step_peak", "measure_conv_workspace"]
+           "measure_step_peak", "measure_conv_workspace", "input_gradient_needed"]
 
 _SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank")
 _ALIAS_OPS = ("Reshape", "Identity", "Squeeze", "ExpandDims")
@@ -110,12 +111,27 @@ def measure_step_peak(model, optimizer, x, y, loss_fn) -> int:
     return extra + tensor_bytes([*model.variables, *optimizer.variables, x, y])
 
 
+def input_gradient_needed(model, index: int) -> bool:
+    """Whether a training step of ``model`` computes the gradient of the input of
+    ``model.layers[index]``: only if a layer before it (in ``model.layers`` order) has trainable
+    weights. The model's own input is data, not a variable: nothing asks for its gradient."""
+    if isinstance(index, bool) or not isinstance(index, int) or \
+            not 0 <= index < len(model.layers):
+        raise ValueError(f"index must be an int in [0, {len(model.layers)}) (the layers of "
+                         f"{model.name!r}), got {index!r}")
+    return any(layer.trainable_weights for layer in model.layers[:index])
+
+
 def measure_conv_workspace(model, batch_size: int, policy: str = "float32") -> int:
     """The scratch bytes the convolution kernels of *this machine* take in a training step of
     ``model`` at ``batch_size``: the largest, over the model's Conv1D/2D/3D layers, of the
-    allocator's peak during one forward + backward pass of that convolution alone (gradients for
-    its input and kernel) minus the tensors that pass must hold (output, output gradient, input
-    and kernel gradients). 0 for a model without such a layer.
+    allocator's peak during one forward + backward pass of that convolution alone minus the
+    tensors that pass must hold (output, output gradient, the gradients it computes). 0 for a
+    model without such a layer. The pass computes the kernel's gradient, and the input's only
+    where the training step needs it: a convolution with no trainable layer before it (the
+    model's first) gets no input gradient in a step, so none is measured for it (layers are
+    taken in ``model.layers`` order: exact for a ``Sequential`` model, and for a functional one
+    it may measure an input gradient that a parallel branch would not need).
 
     Why measure: the scratch belongs to the kernel library, not to the model. TensorFlow's Eigen
     kernels take ~``CPU_CONV_WORKSPACE`` whatever the shapes; oneDNN (TensorFlow's default on
@@ -127,7 +143,7 @@ def measure_conv_workspace(model, batch_size: int, policy: str = "float32") -> i
     compute = POLICIES[policy][1]
     device = memory_device()
     workspace = 0
-    for layer in model.layers:
+    for index, layer in enumerate(model.layers):
         if type(layer).__name__ not in _CONV_LAYERS:
             continue
         if getattr(layer, "data_format", "channels_last") != "channels_last":
@@ -135,15 +151,16 @@ def measure_conv_workspace(model, batch_size: int, policy: str = "float32") -> i
                              "supported; measure_conv_workspace handles 'channels_last'")
         x = tf.zeros((batch_size, *layer.input.shape[1:]), compute)
         kernel = tf.cast(layer.kernel, compute)
+        sources = [x, kernel] if input_gradient_needed(model, index) else [kernel]
 
-        def probe(layer=layer, x=x, kernel=kernel):
+        def probe(layer=layer, x=x, kernel=kernel, sources=sources):
             with tf.GradientTape() as tape:
-                tape.watch([x, kernel])
+                tape.watch(sources)
                 out = tf.nn.convolution(x, kernel, strides=layer.strides,
                                         padding=layer.padding.upper(),
                                         dilations=layer.dilation_rate)
                 loss = tf.reduce_sum(out)
-            grads = tape.gradient(loss, [x, kernel])
+            grads = tape.gradient(loss, sources)
             return 2 * tensor_bytes([out]) + tensor_bytes(grads)
 
         probe()  # the first call may set up kernels and caches

@@ -56,3 +56,22 @@ def test_bad_arguments():
         copy_cost.chain_function(["/cpu:0"], 0)
     with pytest.raises(ValueError, match="two devices"):
         copy_cost.measure_copy_cost(["/cpu:0"])
+
+
+def test_measure_hop_cost_reports_the_chain_half_by_hand_count(four_devices):
+    result = copy_cost.measure_hop_cost(four_devices[:2], chain=5, repeat=1)
+    assert set(result) == {"chain on one device", "chain hopping", "chain_ratio", "us_per_op",
+                           "us_per_hop"}
+    one, hop = result["chain on one device"], result["chain hopping"]
+    assert one > 0 and hop > 0
+    # by hand: 5 steps on one device; 4 crossings in the hopping chain of 5 steps
+    assert result["us_per_op"] == pytest.approx(one / 5 * 1e6)
+    assert result["us_per_hop"] == pytest.approx((hop - one) / 4 * 1e6)
+    assert result["chain_ratio"] == pytest.approx(hop / one)
+
+
+def test_measure_hop_cost_bad_arguments():
+    with pytest.raises(ValueError, match="two devices"):
+        copy_cost.measure_hop_cost(["/cpu:0"])
+    with pytest.raises(ValueError, match=r"chain must be >= 2 \(one crossing at least\), got 1"):
+        copy_cost.measure_hop_cost(["/cpu:0", "/cpu:1"], chain=1)

@@ -2,12 +2,15 @@
 hand here) and a wrong one each, the temporaries model, the inter-op overlap probe and the
 per-session thread pool."""
 
+import textwrap
+
 import keras
 import pytest
 import tensorflow as tf
 
 from accel.course import memory as course_memory
 from accel.memory import config as memory_config
+from accel.procs import run_python
 
 
 def _mlp(dtype=None):
@@ -72,6 +75,30 @@ def test_05_exercise_2_overflow_steps():
     assert course_memory.check_overflow_steps(None) == "exercise 2: not answered yet"
 
 
+@pytest.mark.slow
+def test_05_exercise_3_xla_compilations():
+    """The answer by hand: the train step meets batch 64 and the last partial batch of
+    1000 - 15 * 64 = 40 (both epochs reuse them), the test step 100 and 50; XLA compiles one
+    program per shape, so 4. Run in a fresh Python whose XLA dumps every program, counted as the
+    chapter counts them."""
+    code = textwrap.dedent("""
+        import os, shutil, tempfile
+        dump_dir = tempfile.mkdtemp(prefix="xla_dump_test_")
+        os.environ["XLA_FLAGS"] = f"--xla_dump_to={dump_dir}"
+        from accel.course import memory as course_memory
+        def compiled(name):
+            return sum(f"_{name}_" in f and f.endswith(".before_optimizations.txt")
+                       for f in os.listdir(dump_dir))
+        for answer in (None, 4, 3, "4"):
+            print(course_memory.check_xla_compilations(answer, compiled))
+        shutil.rmtree(dump_dir)
+    """)
+    out = run_python(code, timeout=300).strip().splitlines()
+    assert out == ["exercise 3: not answered yet", "exercise 3: correct: 4 compilations",
+                   "exercise 3: not yet: 3 is not it; count the batch sizes each loop meets",
+                   "exercise 3: answer with a number of compilations (an int >= 0)"], out
+
+
 def test_chains_never_overlap_on_one_inter_op_thread_and_do_on_two():
     graph, fetches = course_memory.two_chains(n=128, depth=6)
     one = tf.compat.v1.Session(graph=graph, config=memory_config.tf1_config(
@@ -121,3 +148,60 @@ def test_step_breakdown_counts_the_matmuls_by_hand(tmp_path):
     assert all(parts[k] > 0 for k in ("forward_work_ms", "backward_work_ms", "forward_ms",
                                       "backward_ms"))
     assert all(lane.startswith("thread ") for lane, *_ in parts["intervals"])
+
+
+def test_transformer_memory_against_hand_counts():
+    """GPT-3 6.7B's shape (32 layers, hidden 4096, 32 heads), sequence 4096, batch 1. Model
+    states: 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter (ZeRO, section 3.1: 2 + 2 + 12).
+    Activations per layer: 4096 * 4096 * (34 + 5 * 32 * 4096 / 4096) = 16,777,216 * 194 =
+    3,254,779,904 bytes; FlashAttention keeps 16,777,216 * 34 = 570,425,344."""
+    from accel.costmodel.zero import ADAM_MIXED_BYTES_PER_PARAM
+    from accel.memory.estimate import mixed_precision_accounting
+
+    params = 6_648_000_000
+    assert sum(course_memory.MIXED_ADAM_BYTES.values()) == ADAM_MIXED_BYTES_PER_PARAM == 16
+    assert sorted(course_memory.MIXED_ADAM_BYTES.values()) == sorted(
+        mixed_precision_accounting("adam")["classic mixed"].values())
+    out = course_memory.transformer_memory(params, 32, 4096, 32, 4096)
+    assert out["master weights (fp32)"] == 4 * params
+    assert out["model states"] == 16 * params == 106_368_000_000
+    assert out["activations"] == 32 * 3_254_779_904
+    assert out["total"] == 16 * params + 32 * 3_254_779_904
+    flash = course_memory.transformer_memory(params, 32, 4096, 32, 4096, flash_attention=True)
+    assert flash["activations"] == 32 * 570_425_344
+    assert course_memory.transformer_memory(params, 32, 4096, 32, 4096, batch=2)[
+        "activations"] == 2 * out["activations"]
+    with pytest.raises(ValueError, match="hidden .4096. must be a multiple of heads .3."):
+        course_memory.transformer_memory(params, 32, 4096, 3, 4096)
+    with pytest.raises(ValueError, match="params must be"):
+        course_memory.transformer_memory(0, 32, 4096, 32, 4096)
+
+
+def test_recomputation_plans_against_hand_counts():
+    """The same shape, in units of s b h = 16,777,216 bytes (A = 194 of them per layer, the
+    scores' 5 a s / h = 160): keep everything 32 * 194 = 6208; selective 32 * 34 + 160 = 1248;
+    full 32 * 2 + 194 = 258; sqrt(32) -> segments of 6 layers, ceil(32 / 6) = 6 inputs kept:
+    6 * 2 + 6 * 194 = 1176. Extra FLOPs: a forward is 1/3 of a step (3 passes); the score
+    matmuls 4 b s^2 h over the step's 72 b s h^2 (1 + s / 6h) = (1/18) / (7/6) = 1/21 at s = h."""
+    unit = 4096 * 4096
+    plans = course_memory.recomputation_plans(32, 4096, 32, 4096)
+    want = {"keep everything": (6208, 0.0), "selective": (1248, 1 / 21),
+            "full, every layer": (258, 1 / 3), "sqrt(L) segments": (1176, 1 / 3)}
+    assert set(plans) == set(want)
+    for name, (units, extra) in want.items():
+        assert plans[name][0] == units * unit
+        assert plans[name][1] == pytest.approx(extra, rel=1e-12)
+    with pytest.raises(ValueError, match="layers must be"):
+        course_memory.recomputation_plans(0, 4096, 32, 4096)
+
+
+def test_figure_memory_draws_one_panel_of_ratios():
+    results = {"plain": {"peak_mib": 10.0, "seconds": 1.0},
+               "recompute": {"peak_mib": 4.0, "seconds": 1.3}}
+    fig = course_memory.figure_memory(results)
+    (ax,) = fig.axes
+    heights = sorted(round(p.get_height(), 6) for p in ax.patches)
+    assert heights == [0.4, 1.0, 1.0, 1.3]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -236,3 +236,15 @@ def test_measure_variants_rejects_bad_arguments():
         memory_savings.measure_variants(batch=8, blocks=1, width=4, variants=("plain", "int8"))
     with pytest.raises(ValueError, match="repeat"):
         memory_savings.measure_variants(batch=8, blocks=1, width=4, repeat=0)
+
+
+def test_input_gradient_needed_only_after_a_trainable_layer():
+    # _cnn: Conv2D, MaxPooling2D, Conv2D, ...: the first convolution reads the batch (no
+    # gradient asked for it), the second reads the first block's output (its gradient flows on)
+    cnn = _cnn()
+    assert [measure.input_gradient_needed(cnn, i) for i in (0, 1, 2)] == [False, True, True]
+    dense_first = tf.keras.Sequential([tf.keras.Input((8, 8, 3)), L.Dense(4),
+                                       L.Conv2D(2, 3)])
+    assert measure.input_gradient_needed(dense_first, 1)
+    with pytest.raises(ValueError, match=r"index must be an int in \[0, 6\)"):
+        measure.input_gradient_needed(cnn, 6)
