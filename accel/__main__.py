@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         print(record.format_record(found))
         print("written:", record.write_record(found, out))
     elif args.command == "images":
+        from accel import devices
         from accel.course import registry
 
+        devices.setup(registry.BENCH_DEVICES)  # figures that place ops need the course's devices
         try:
             paths = registry.save_figures(args.out, args.names or None)
         except ValueError as exc:

@@ -91,7 +91,9 @@ def kernel_gaps(fn, *args, device_type: str = "GPU") -> list[tuple[str, str, str
 
     ``fn`` is a ``tf.function`` (traced as it is, with its own options such as ``jit_compile``
     or ``input_signature``) or a plain callable (wrapped in one). Returns ``(op name, op type,
-    dtype)`` rows: the ops soft placement would move off that device (or that fail without it).
+    dtype)`` rows: ops whose own dtype has no kernel there. Ops that share a colocation group or a
+    resource handle with such an op (or with a variable made outside ``fn``) move with it without
+    being listed: the executed graph (``accel.placement.placement_of``) shows where all ran.
     ``DEFAULT`` kernels count for every device type, CPU included: the kernel lookup tries the
     ``DEFAULT`` registration for every device type but the symbolic XLA ones
     (``FindKernelRegistration`` in ``tensorflow/core/framework/op_kernel.cc``).

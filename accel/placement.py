@@ -3,8 +3,9 @@
 - ``placement_of(fn, *args)`` / ``placement_of(fetches, session=sess)``: run something once and
   return the *actual* op -> device table (from the partition graphs TensorFlow executed, so the
   ``_Send`` / ``_Recv`` pairs of every copy between devices are in it too), and every tensor
-  sent between devices as a ``Transfer`` (``sends_in``, the package's one reader of ``_Send``
-  nodes: ``accel.parallel.trace`` and ``accel.collectives.sent_bytes`` count from it).
+  sent between devices as a ``Transfer`` (``sends_in``, the package's one reader of ``_Send`` and
+  ``_HostSend`` nodes: ``accel.parallel.trace`` and ``accel.collectives.sent_bytes`` count from
+  it).
 - ``session_config(...)``: a TF1 ``ConfigProto`` that sees the same devices as eager TensorFlow.
 - ``log_placement()``: capture TensorFlow's placement log (C-level output) as a table.
 - ``soft_placement(enabled)``: switch TF2 soft placement for a block, restored on exit.
@@ -56,7 +57,8 @@ BACKWARD_MARKS = ("gradient", "backward")
 
 @dataclass(frozen=True)
 class Transfer:
-    """One tensor sent between devices in one run (a ``_Send`` node of a partition graph)."""
+    """One tensor sent between devices in one run (a ``_Send`` or ``_HostSend`` node of a
+    partition graph)."""
 
     tensor: str  # the producing op's output, e.g. 'part_0/Relu:0'
     source: str
@@ -82,13 +84,18 @@ def _graph_tensor(graph, name: str):
         return None
 
 
+SEND_OPS = ("_Send", "_HostSend")
+
+
 def sends_in(graph_defs, graph=None) -> list[Transfer]:
-    """Every ``_Send`` node of the partition ``graph_defs`` that ran, as a ``Transfer``; shapes
-    (and so bytes) come from ``graph``, the graph that was traced, where given."""
+    """Every send node of the partition ``graph_defs`` that ran, as a ``Transfer``: ``_Send``, and
+    ``_HostSend``, which the partitioner uses where the sent tensor sits in host memory on a
+    non-CPU device (an int32 on a GPU, say); shapes (and so bytes) come from ``graph``, the graph
+    that was traced, where given."""
     out = []
     for gd in graph_defs:
         for node in gd.node:
-            if node.op != "_Send":
+            if node.op not in SEND_OPS:
                 continue
             source = short_device(node.attr["send_device"].s.decode())
             target = short_device(node.attr["recv_device"].s.decode())
@@ -263,12 +270,16 @@ class PlacementLog:
 def log_placement() -> Iterator[PlacementLog]:
     """Capture TensorFlow's placement log (written by C code to fd 1/2) and parse it into rows.
 
-    TF1 sessions log when created with ``session_config(log_device_placement=True)``. TF2 eager
-    logging (``tf.debugging.set_log_device_placement``) only takes effect if switched on before
-    TensorFlow's first op, so it is switched on (and back off on exit) only in that case. Toggling
-    it on a running context also silently disables eager soft placement in TF 2.21 (while
-    ``tf.config.get_soft_device_placement()`` still says True), so the soft-placement setting is
-    re-applied on exit.
+    TF1 sessions log when created with ``session_config(log_device_placement=True)``. TF2's
+    switch (``tf.debugging.set_log_device_placement``) only takes effect if set before the eager
+    context starts: until then its setter only stores the value, which ``Context.config`` copies
+    into the ``ConfigProto`` the context starts with (``tensorflow/python/eager/context.py``). The
+    context starts at the first op and at anything that lists or configures logical devices
+    (``tf.config.list_logical_devices()``, ``accel.devices.setup``); set later, the switch logs
+    nothing in TF 2.21. So it is switched on (and back off on exit) only while the context has not
+    started. Toggling it on a running context can also silently disable eager soft placement in
+    TF 2.21 (while ``tf.config.get_soft_device_placement()`` still says True), so the
+    soft-placement setting is re-applied on exit.
     """
     log = PlacementLog()
     previous = tf.debugging.get_log_device_placement()

@@ -110,6 +110,23 @@ def test_placement_of_keeps_the_functions_options():
     assert "Sin" in plain and not any("Xla" in t for t in plain)
 
 
+def test_sends_in_counts_host_sends_as_sends():
+    """A ``_HostSend`` (a tensor in host memory on a GPU) is a copy like a ``_Send``: the same
+    node with either op type gives the same Transfer (checked on a real run's partition graphs,
+    since this machine makes no _HostSend)."""
+    table = placement.placement_of(_pinned_chain, tf.constant([0.1, 0.2]))
+    graphs = []
+    for gd in table.graphs:
+        copy = type(gd)()
+        copy.CopyFrom(gd)
+        for node in copy.node:
+            if node.op == "_Send":
+                node.op = "_HostSend"
+        graphs.append(copy)
+    assert placement.sends_in(graphs, table.traced) == table.sends
+    assert len(table.sends) == 3
+
+
 def test_placement_of_rejects_bad_targets():
     with pytest.raises(ValueError, match="target must be a callable or tf.function .* got int"):
         placement.placement_of(42)
@@ -138,6 +155,23 @@ def _tf1_graph():
         with tf.device("/cpu:2"):
             c = tf.add(a, a, name="c")
     return g, a, c
+
+
+@pytest.mark.slow
+def test_tf2_log_switch_works_only_before_the_eager_context_starts():
+    """What chapter 02 and log_placement's docstring say: set before anything starts the context,
+    the placer logs the Sin; set after a device listing (which starts the context), nothing."""
+    from accel import procs
+
+    child = """import tensorflow as tf
+{first}
+tf.debugging.set_log_device_placement(True)
+tf.function(lambda v: tf.sin(v))(tf.constant(1.0))"""
+    seen = {first: [ln for ln in procs.run_python(child.format(first=first)).splitlines()
+                    if "(Sin)" in ln]
+            for first in ("", "tf.config.list_logical_devices()")}
+    assert len(seen[""]) == 1 and seen[""][0].startswith("Sin: (Sin): /job:localhost/")
+    assert seen["tf.config.list_logical_devices()"] == []
 
 
 def test_log_placement_turns_the_tf1_log_into_rows():
@@ -275,3 +309,26 @@ def test_short_error_is_reproducible():
     assert text.startswith("InvalidArgumentError: No OpKernel was registered")
     assert "with these attrs: [T=DT_UINT8, grad_a=false, grad_b=false" in text
     assert "Detected at node" not in text and "File " not in text
+
+
+# ----------------------------------------------------------------------------- chapter 02's figure
+def test_figure_placement_counts_what_it_draws(four_devices):
+    """One arrow per pair of devices, labelled with the tensors it carries; the title counts the
+    boxes drawn (the hidden _Retval left out) and every copy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from accel.course import diagrams
+
+    table = diagrams.demo_placement()
+    fig = diagrams.figure_placement(table)
+    ax = fig.axes[0]
+    drawn = len([r for r in table if r.op_type != "_Retval"])
+    assert ax.get_title() == (f"{drawn} ops drawn on 3 devices (_Retval not drawn), "
+                              f"{len(table.transfers)} copies")
+    assert len(table.transfers) == 3
+    labels = sorted(t.get_text() for t in ax.texts if t.get_color() == "#C44E52")
+    assert labels == ["a, b", "c"]  # a and b share the CPU:0 -> CPU:1 arrow
+    plt.close(fig)

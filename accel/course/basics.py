@@ -13,9 +13,9 @@ import tensorflow as tf
 
 from accel import devices, kernels, placement, timing
 
-__all__ = ["check_merge", "check_small_matmul", "check_one_copy", "check_call_site_device",
+__all__ = ["check_merge", "check_small_matmul", "check_one_copy", "check_variable_read",
            "check_add_on_cpu1", "check_soft_fallback", "check_split_blockers", "check_strict_gpu",
-           "has_gpu_kernel", "MATMUL_ANSWERS", "SPLIT_CALLS"]
+           "has_gpu_kernel", "MATMUL_ANSWERS", "SPLIT_CALLS", "check_counter_gaps"]
 
 
 def _not_yet(n: int, answer) -> str | None:
@@ -97,20 +97,30 @@ def check_one_copy(fn: Callable | None, *args) -> str:
         f"exercise 1: not yet: {n} copies, aim for exactly 1"
 
 
-def check_call_site_device(fn: Callable, answer: str | None) -> str:
-    """02, exercise 2: the predicted device of the op named ``shifted`` (no device request) when
-    ``fn`` is called inside ``tf.device("/cpu:3")``."""
+def check_variable_read(fn: Callable, answer) -> str:
+    """02, exercise 2: ``answer`` is ``(device, copies)``: the predicted device of the op named
+    ``shifted`` (no device request; it adds ``fn``'s argument and a variable that lives on another
+    device) and the number of tensors sent between devices, when ``fn`` is called inside
+    ``tf.device("/cpu:3")`` on an argument made there."""
     if (msg := _not_yet(2, answer)) is not None:
         return msg
+    if not (isinstance(answer, tuple | list) and len(answer) == 2 and isinstance(answer[1], int)):
+        return 'exercise 2: answer with (device, copies), e.g. ("/cpu:0", 2)'
     try:
-        predicted = devices.normalize_device(answer)
+        predicted = devices.normalize_device(answer[0])
     except ValueError as err:
         return f"exercise 2: not a device name: {err}"
     with tf.device("/cpu:3"):
         table = placement.placement_of(fn, tf.constant([1.0, 2.0]))
-    if predicted == table.device_of("shifted"):
-        return "exercise 2: correct: ops without a request take the device of the call"
-    return "exercise 2: not quite: run placement_of inside the block and read the table"
+    device, copies = table.device_of("shifted"), len(table.transfers)
+    if (predicted, answer[1]) == (device, copies):
+        reads = sorted({r.device for r in table if r.op_type == "ReadVariableOp"})
+        return (f"exercise 2: correct: the read ran with the variable ({', '.join(reads)}), the "
+                f"add at the call's device, and {copies} tensor{'s' * (copies != 1)} crossed")
+    wrong = [what for what, ok in (("the device", predicted == device),
+                                   ("the number of copies", answer[1] == copies)) if not ok]
+    return (f"exercise 2: not quite ({' and '.join(wrong)}): run placement_of inside the block "
+            "and read the table and its transfers")
 
 
 def check_add_on_cpu1(fn: Callable | None, *args) -> str:
@@ -180,3 +190,19 @@ def check_strict_gpu(fn: Callable | None, ids, features, weights) -> str:
     with placement.soft_placement(False):
         function(ids, features, weights)
     return "exercise 2: correct: it ran on this GPU with soft placement off"
+
+
+def check_counter_gaps(answer, fn: Callable, *args) -> str:
+    """03, exercise 3: ``answer`` is what ``kernels.kernel_gaps(fn, *args, device_type="GPU")``
+    returns for ``fn``, a function that updates and reads an ``int32`` ``tf.Variable`` made
+    outside it (a list of ``(op name, op type, dtype)`` rows; ``[]`` for none)."""
+    if (msg := _not_yet(3, answer)) is not None:
+        return msg
+    if not isinstance(answer, list):
+        return "exercise 3: answer with a list of (op name, op type, dtype) rows, [] for none"
+    gaps = kernels.kernel_gaps(fn, *args, device_type="GPU")
+    if [tuple(row) for row in answer] == gaps:
+        return (f"exercise 3: correct: {gaps}; the int32 VarHandleOp (no GPU kernel) runs "
+                "outside the function, and the ops that take its handle follow the variable")
+    return (f"exercise 3: not yet: {answer} is not it; list the ops inside the traced graph and "
+            "read each one's GPU and DEFAULT kernels")

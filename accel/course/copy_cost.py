@@ -8,6 +8,11 @@ Two effects, measured separately:
   memory, so TensorFlow hands the buffer over without copying; between a CPU and a GPU (or two
   GPUs) the bytes really travel over PCIe / NVLink, which ``accel.costmodel.steps.transfer_time``
   models.
+
+On a GPU a copy also has a fixed cost, whatever its size: ``copy_time`` and
+``break_even_bytes`` model one copy as that latency plus its bytes over a rate, with the
+published per-copy latency ``GPU_COPY_LATENCY_S`` (the course's hardware record holds no
+small-copy figure).
 """
 
 from __future__ import annotations
@@ -19,7 +24,34 @@ import tensorflow as tf
 from accel.timing import format_ratios, time_fn
 
 __all__ = ["bench", "chain_function", "consume_function", "measure_hop_cost",
-           "measure_copy_cost"]
+           "measure_copy_cost", "GPU_COPY_LATENCY_S", "GPU_COPY_LATENCY_SOURCE", "copy_time",
+           "break_even_bytes"]
+
+# The fixed cost of one copy on an NVIDIA GPU: submitting one cudaMemcpyAsync takes about
+# 5-7 microseconds whatever the size (a published figure, not measured by the course).
+GPU_COPY_LATENCY_S = (5e-6, 7e-6)
+GPU_COPY_LATENCY_SOURCE = ("Wu et al., \"DualPath: Breaking the Storage Bandwidth Bottleneck in "
+                           "Agentic LLM Inference\", arXiv:2602.21548, 2026, section 5.2: about "
+                           "5-7 us per cudaMemcpyAsync call for small copies")
+
+
+def copy_time(nbytes: float, bytes_per_s: float, latency_s: float) -> float:
+    """Seconds for one copy of ``nbytes`` (a cost model): a fixed ``latency_s`` plus the bytes at
+    ``bytes_per_s``."""
+    if nbytes < 0 or latency_s < 0:
+        raise ValueError(f"nbytes and latency_s must be >= 0, got {nbytes=}, {latency_s=}")
+    if not bytes_per_s > 0:
+        raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s!r}")
+    return latency_s + nbytes / bytes_per_s
+
+
+def break_even_bytes(latency_s: float, bytes_per_s: float) -> float:
+    """The copy size whose bytes take as long as the fixed ``latency_s`` at ``bytes_per_s``:
+    smaller copies are mostly fixed cost, larger ones mostly bytes."""
+    if not latency_s > 0 or not bytes_per_s > 0:
+        raise ValueError(f"latency_s and bytes_per_s must be > 0, got {latency_s=}, "
+                         f"{bytes_per_s=}")
+    return latency_s * bytes_per_s
 
 
 def chain_function(devices: Sequence[str], length: int) -> tf.types.experimental.GenericFunction:

@@ -64,27 +64,37 @@ def demo_placement() -> Placement:
 
 
 def figure_placement(placement: Placement | None = None, hide: Sequence[str] = ("_Retval",)):
-    """Ops grouped in one column per device; arrows are the ``_Send`` -> ``_Recv`` copies."""
+    """Ops grouped in one column per device (op types in ``hide`` not drawn); one arrow per pair
+    of devices with copies between them, labelled with the tensors it carries (each a ``_Send``
+    -> ``_Recv`` pair). The title counts the ops drawn and the copies."""
     placement = placement or demo_placement()
     devices = placement.devices()
-    fig, ax = plt.subplots(figsize=(2.8 * len(devices), 0.9 + 0.45 * max(
-        len(placement.ops_on(d)) for d in devices)))
+    shown = {d: sorted((r for r in placement.ops_on(d) if r.op_type not in hide),
+                       key=lambda r: r.name) for d in devices}
+    fig, ax = plt.subplots(figsize=(2.8 * len(devices), 1.2 + 0.45 * max(
+        len(ops) for ops in shown.values())))
     colors = device_colors(devices)
     for col, dev in enumerate(devices):
-        ops = [r for r in placement.ops_on(dev) if r.op_type not in hide]
         ax.text(col * 3 + 1.2, 0.7, dev, ha="center", fontsize=9, weight="bold")
-        for i, r in enumerate(sorted(ops, key=lambda r: r.name)):
+        for i, r in enumerate(shown[dev]):
             _box(ax, col * 3, -i * 0.8, f"{r.name} ({r.op_type})", colors[dev], w=2.4, h=0.55)
-    for _, src, dst in placement.transfers:
+    carried: dict[tuple[str, str], list[str]] = {}
+    for t in placement.sends:
+        carried.setdefault((t.source, t.target), []).append(t.tensor.removesuffix(":0"))
+    for (src, dst), tensors in carried.items():
         start, end = devices.index(src) * 3 + 2.4, devices.index(dst) * 3
         ax.annotate("", xy=(end, 0.35), xytext=(start, 0.35),
                     arrowprops={"arrowstyle": "->", "color": "#C44E52", "lw": 1.2,
                                 "connectionstyle": "arc3,rad=-0.25"})
+        ax.text((start + end) / 2, 1.0, ", ".join(sorted(tensors)), ha="center", fontsize=8,
+                color="#C44E52")
     ax.set_xlim(-0.3, 3 * len(devices))
-    ax.set_ylim(-0.8 * max(len(placement.ops_on(d)) for d in devices), 1.2)
+    ax.set_ylim(-0.8 * max(len(ops) for ops in shown.values()), 1.35)
     ax.axis("off")
-    ax.set_title(f"{len(placement)} ops on {len(devices)} devices, "
-                 f"{len(placement.transfers)} copies", fontsize=10)
+    hidden = len(placement) - sum(len(ops) for ops in shown.values())
+    ax.set_title(f"{len(placement) - hidden} ops drawn on {len(devices)} devices"
+                 + (f" ({', '.join(hide)} not drawn)" if hidden else "")
+                 + f", {len(placement.transfers)} copies", fontsize=10)
     fig.tight_layout()
     return fig
 

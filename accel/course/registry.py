@@ -37,8 +37,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "memory": ("accel.course.memory:bench_memory",
                "peak memory and step time: plain vs recompute vs mixed precision (chapter 04)"),
     "sync-async": ("accel.course.sync_async:bench_sync_async",
-                   "throughput of sync, async (locked, lock-free) and K-of-N with a 4x straggler "
-                   "(chapter 06)"),
+                   "time to a target loss of sync, async and 2-of-3, with and without a 4x "
+                   "straggler, 5 repetitions (chapter 06)"),
     "model-parallel": ("accel.course.model_parallel:bench",
                        "split step vs one device, RNN wavefront vs layer after layer, idle "
                        "fractions (chapter 09)"),

@@ -1,7 +1,7 @@
-"""Chapter 06's experiments: a toy problem for the parameter server, the sync-async benchmark,
-the fair race (sync with a scaled learning rate against async, locked and lock-free), the
-harness's own time next to the measured and ideal throughput ratios, the measured figures and the
-exercise checks."""
+"""Chapter 06's experiments: a toy problem for the parameter server, the sync-async benchmark
+(time to a target loss of sync, async and K of N, with and without a straggler), the fair race
+(sync with a scaled learning rate against async, locked and lock-free), the harness's own time
+next to the measured and ideal throughput ratios, the measured figures and the exercise checks."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from accel.parallel.staleness import TrainResult, staleness_histogram
 from accel.training import squared_error
 
 __all__ = ["toy_problem", "bench_sync_async", "cycle_times", "explain_ratios", "figure_race",
-           "figure_staleness", "STRAGGLER_STALENESS", "MOMENTUM_DELAYS",
+           "figure_time_to_target", "figure_staleness", "STRAGGLER_STALENESS", "MOMENTUM_DELAYS",
            "MOMENTUM_LARGEST_DELAY", "check_exercise", "RACE_METHODS",
            "race_increments"]
 
@@ -30,47 +30,67 @@ def toy_problem(n: int = 768, features: int = 8, hidden: int = 16, seed: int = 0
             "params": models.mlp_init([features, hidden, 1], seed=seed), "x": x, "y": y}
 
 
-def bench_sync_async(device_names: Sequence[str], quick: bool = False, rounds: int = 6,
-                     step_time: float = 0.1, factor: float = 4.0) -> dict:
-    """``python -m accel bench sync-async``: examples/s of sync and async (with the server's
-    lock) with equal workers, then of sync, async (locked and lock-free) and K-of-N (K = N - 1)
-    with one worker ``factor`` times slower, as ratios to sync with equal workers.
+def bench_sync_async(device_names: Sequence[str], quick: bool = False, repeats: int = 5,
+                     step_time: float = 0.1, factor: float = 4.0, target_loss: float = 0.5,
+                     learning_rate: float = 0.03) -> dict:
+    """``python -m accel bench sync-async``: time to a target loss of sync, async (with the
+    server's lock) and K of N (K = N - 1), with equal workers and with one worker ``factor``
+    times slower, as medians of ``repeats`` interleaved repetitions with their min-max spread
+    and ratios to sync taken within each repetition (``parameter_server.race_to_target``: the
+    same warm-up and clock for every variant). Then the harness's own time per round and the
+    throughput ratios it explains (``explain_ratios``, on the last repetition's runs) and this
+    machine's ceiling.
 
-    ps on the first device, workers on the others; every step is padded to ``step_time``
-    seconds (100 ms: the harness's own time per sync round, 6-11 ms measured on two
-    shared cores, stays a small share; ``explain_ratios`` prints it), so the ratios show
-    scheduling, not the harness or the shared CPU cores. ``rounds`` synchronous rounds (the
-    other runs apply as many gradients); ``quick``: 2 rounds of 20 ms steps, only to check
-    that it works. Throughput counts the examples of
-    applied updates up to the last applied update (``TrainResult.wall_time``). Prints the
-    ratios and this machine's ceiling; returns the ``ratios``, the ``examples_per_s``, the
-    ``runs`` themselves, ``step_time``, ``factor`` and the ``ceiling``.
+    ps on the first device, workers on the others, ``toy_problem()``; the full-data loss is
+    evaluated after every update, and a run stops at the first one at or below
+    ``target_loss`` (400 updates at most). ``learning_rate`` is async's, for 32 examples; sync
+    and K of N scale it with their batch (linear scaling, as chapter 06's fair race). Every
+    step is padded to ``step_time`` seconds (100 ms: the harness's own time per round, a few
+    ms on two shared cores, stays a small share; chapter 06 uses 30 ms to fit its time, where
+    the share is larger and printed). ``quick``: one repetition of 10 ms steps, only to check
+    that it works. Returns ``summary`` (per variant: ``median``, ``min``, ``max`` seconds,
+    ``ratio`` to sync, median ``updates``, ``examples``, ``gradients``, ``dropped``,
+    ``reached``), ``hits`` (every repetition's ``TargetHit``), ``runs`` (the last
+    repetition's ``TrainResult`` per variant), ``times`` (``explain_ratios``), ``step_time``,
+    ``factor``, ``target_loss``, ``repeats`` and the ``ceiling``.
     """
     names = list(device_names)
-    rounds, step_time = (2, min(step_time, 0.02)) if quick else (rounds, step_time)
+    if len(names) < 3:
+        raise ValueError(f"need a ps device and at least 2 workers, got {names}")
+    checks.positive_number("learning_rate", learning_rate)
+    repeats, step_time = (1, min(step_time, 0.01)) if quick else (repeats, step_time)
     workers, n = names[1:], len(names) - 1
     common = dict(toy_problem(), workers=workers, ps_device=names[0], step_time=step_time,
-                  optimizer=0.05)
-    slow = {n - 1: factor}
-    ps.train_sync(**common, steps=1)  # trace every worker's step once, outside the timings
-    runs = {"sync": ps.train_sync(**common, steps=rounds),
-            "async": ps.train_async(**common, steps=rounds * n),
-            "sync, straggler": ps.train_sync(**common, steps=rounds, slowdown=slow),
-            "async, straggler": ps.train_async(**common, steps=rounds * n, slowdown=slow),
-            "lock-free, straggler": ps.train_hogwild(**common, steps=rounds * n, slowdown=slow),
-            f"{n - 1}-of-{n}, straggler": ps.train_k_of_n(**common, k=n - 1, slowdown=slow,
-                                                          steps=rounds * n // (n - 1))}
-    base = runs["sync"].examples_per_s
-    print(f"throughput relative to sync with equal workers ({n} workers, steps padded to "
-          f"{step_time * 1e3:g} ms; straggler: one worker {factor:g}x slower)")
-    out = {}
-    for name, result in runs.items():
-        out[name] = result.examples_per_s / base
-        print(f"  {name:20s} {result.examples_per_s:9.0f} examples/s  {out[name]:5.2f}x")
+                  steps=400)
+    slow, kofn = {n - 1: factor}, f"{n - 1}-of-{n}"
+    modes = {"sync": dict(mode="sync", optimizer=n * learning_rate),
+             "async": dict(mode="async", optimizer=learning_rate),
+             kofn: dict(mode="k_of_n", k=n - 1, optimizer=(n - 1) * learning_rate)}
+    variants = {**{name: {**common, **kw} for name, kw in modes.items()},
+                **{f"{name}, straggler": {**common, **kw, "slowdown": slow}
+                   for name, kw in modes.items()}}
+    race = ps.race_to_target(variants, target_loss=target_loss, repeats=repeats,
+                             baseline="sync")
+    print(f"time to full-data loss <= {target_loss:g} ({n} workers, steps padded to "
+          f"{step_time * 1e3:g} ms, straggler: one worker {factor:g}x slower; learning rate "
+          f"{learning_rate:g} per 32 examples, scaled with the batch; {repeats} "
+          f"repetition{'s' if repeats > 1 else ''})")
+    print("                       seconds: median (min-max)  / sync   updates  examples"
+          "  gradients (dropped)")
+    for name, row in race["summary"].items():
+        print(f"  {name:20s} {row['median']:9.3f} ({row['min']:.3f}-{row['max']:.3f})"
+              f"  {row['ratio']:6.2f}  {row['updates']:8.0f}  {row['examples']:8.0f}"
+              f"  {row['gradients']:6.0f} ({row['dropped']:.0f})"
+              + ("" if row["reached"] == repeats else
+                 f"   reached in {row['reached']} of {repeats}"))
+    runs = {name: results[-1] for name, results in race["runs"].items()}
+    print()
+    times = explain_ratios(runs, n=n, factor=factor, step_time=step_time)
     measured = timing.measure_ceiling()
     print(timing.ceiling_line(measured))
-    return {"ratios": out, "examples_per_s": {k: r.examples_per_s for k, r in runs.items()},
-            "runs": runs, "step_time": step_time, "factor": factor, "ceiling": measured.value}
+    return {"summary": race["summary"], "hits": race["hits"], "runs": runs, "times": times,
+            "step_time": step_time, "factor": factor, "target_loss": target_loss,
+            "repeats": repeats, "ceiling": measured.value}
 
 
 def cycle_times(result: TrainResult, num_workers: int) -> list[float]:
@@ -118,7 +138,7 @@ def explain_ratios(runs: Mapping[str, TrainResult], n: int, factor: float,
     print(f"with the straggler: async cycles {fast * 1e3:6.1f} ms (fast), {slow * 1e3:6.1f} ms "
           f"(straggler) -> effective slowdown {slow / fast:4.2f} (padded: {factor:g}); "
           f"{n - 1}-of-{n} round {kofn_round * 1e3:6.1f} ms")
-    print("ratio to sync        ideal   from measured times   measured")
+    print("throughput / sync's  ideal   from measured times   measured")
     for name, key in (("async", "async"), ("async, straggler", "async_straggler"),
                       (f"{n - 1}-of-{n}, straggler", "kofn")):
         print(f"  {name:18s} {facts[key + '_ideal']:5.2f}   {facts[key + '_from_times']:11.2f}"
@@ -138,6 +158,31 @@ def figure_race(results: Mapping[str, TrainResult]):
     ax.set(xlabel="examples applied", ylabel="full-data loss (MSE)", yscale="log",
            title="the same examples: sync (two learning rates) vs async")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def figure_time_to_target(summary: Mapping[str, Mapping[str, float]], target_loss: float = 0.5):
+    """``bench_sync_async``'s ``summary`` drawn: per variant a bar at the median seconds to the
+    target with a whisker from the fastest to the slowest repetition; straggler runs hatched."""
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    medians = np.array([summary[k]["median"] for k in names])
+    spread = np.array([[summary[k]["median"] - summary[k]["min"],
+                        summary[k]["max"] - summary[k]["median"]] for k in names]).T
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    colours = {"sync": "#4C72B0", "async": "#DD8452"}
+    for i, name in enumerate(names):
+        mode = name.split(",")[0]
+        ax.barh(i, medians[i], color=colours.get(mode, "#55A868"),
+                hatch="//" if "straggler" in name else None, edgecolor="white")
+    ax.errorbar(medians, range(len(names)), xerr=spread, fmt="none", ecolor="black",
+                capsize=3, lw=1)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set(xlabel=f"seconds to full-data loss <= {target_loss:g} (median, min-max)",
+           title="time to a target loss (hatched: one worker slower)")
     fig.tight_layout()
     return fig
 
@@ -168,7 +213,7 @@ def figure_staleness(async_result: TrainResult | None = None,
     series = {f"delay k={k}": [loss for _, loss in r.curve] for k, r in delayed.items()}
     xs = [ex for ex, _ in next(iter(delayed.values())).curve]
     viz.curves(series, "examples applied", "full-data loss (MSE)", ax=right, x=xs, logy=True,
-               title="controlled staleness: harm grows with k")
+               title="controlled staleness: delay k, one learning rate")
     fig.tight_layout()
     return fig
 

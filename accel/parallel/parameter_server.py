@@ -14,7 +14,9 @@ the shared variables while others read and write them (Niu et al. 2011, run by
 ``delay[g]`` versions old, so staleness can be studied deterministically. The decisions
 themselves are the pure functions of ``accel.parallel.staleness``.
 
-``steps`` counts applied updates (in ``delayed``: gradients, as some may be dropped). Every
+``steps`` counts applied updates (in ``delayed``: gradients, as some may be dropped); with
+``target_loss`` a run stops earlier, at the first update that brings the full-data loss down to
+the target, and ``race_to_target`` repeats such runs for several variants. Every
 gradient leaves an ``UpdateRecord``; ``loss_fn`` returns per-example losses (``accel.training``).
 A worker that raises stops the run; its exception is re-raised in the caller with a note naming
 the worker, after every thread is joined.
@@ -39,13 +41,16 @@ from accel.parallel.staleness import (
     UpdateRecord,
     check_train_arguments,
     delayed_read_version,
+    first_reach,
     may_read,
+    race_summary,
     server_decision,
 )
 from accel.training import make_update
 
 __all__ = ["MODES", "worker_batches", "train", "train_sync", "train_async", "train_hogwild",
-           "train_k_of_n", "train_delayed"]
+           "train_k_of_n", "train_delayed", "race_to_target"]
+
 
 def worker_batches(x, y, num_workers: int, batch_size: int) -> list[list[tuple]]:
     """Worker ``w``'s mini-batches: its contiguous ``1/num_workers`` shard cut into batches.
@@ -75,6 +80,11 @@ def _grad_fn(model_fn: Callable, loss_fn: Callable, device: str):
     return grad_step
 
 
+@functools.lru_cache(maxsize=64)  # one traced full-data loss per (model, loss): not per run
+def _loss_fn(model_fn: Callable, loss_fn: Callable):
+    return tf.function(lambda p, xs, ys: tf.reduce_mean(loss_fn(ys, model_fn(p, xs))))
+
+
 class _Server:
     """Variables, version counter and the mode's update rule; all shared state under ``cond``."""
 
@@ -92,6 +102,7 @@ class _Server:
         self.t0 = clock()
         self.last_update = None
         self.staleness_lr = False
+        self.target_loss = None
 
     def snapshot(self) -> list[tf.Tensor]:
         with tf.device(self.ps_device):
@@ -104,8 +115,11 @@ class _Server:
         self.version += 1
         self.last_update = now
         if self.eval_every and self.version % self.eval_every == 0:
-            self.curve.append((self.examples, float(self.eval_fn(self.snapshot()))))
+            loss = float(self.eval_fn(self.snapshot()))
+            self.curve.append((self.examples, loss))
             self.curve_time.append(now)
+            if self.target_loss is not None and loss <= self.target_loss:
+                self.stopped = True
         if self.version >= self.steps:
             self.stopped = True
         self.cond.notify_all()
@@ -205,7 +219,7 @@ def train(mode: str, model_fn: Callable, loss_fn: Callable, params: Sequence[np.
           optimizer: float | object = 0.1, ps_device: str = "/device:CPU:0", k: int | None = None,
           delay: int | Sequence[int] | None = None, slowdown: Mapping[int, float] | None = None,
           step_time: float = 0.0, max_staleness: int | None = None, warmup_steps: int = 0,
-          staleness_lr: bool = False, eval_every: int = 0,
+          staleness_lr: bool = False, eval_every: int = 0, target_loss: float | None = None,
           clock: Callable[[], float] = time.perf_counter) -> TrainResult:
     """Train ``model_fn(params, x)`` from the initial ``params`` in ``mode`` (see ``MODES``).
 
@@ -220,25 +234,29 @@ def train(mode: str, model_fn: Callable, loss_fn: Callable, params: Sequence[np.
     ``staleness_lr``: a gradient ``tau`` updates stale is applied with the learning rate divided
     by ``tau`` (Zhang, Gupta, Lian & Liu 2016, staleness-aware async SGD; plain SGD only).
     ``eval_every``: sample the full-data loss every that many updates into ``result.curve``
-    (and the seconds since the start into ``result.curve_time``).
+    (and the seconds since the start into ``result.curve_time``). ``target_loss``: sample the
+    full-data loss after every update (as ``eval_every=1``, under the server's lock, so every
+    update pays for it on the run's clock) and stop at the first one at or below the target;
+    ``steps`` stays the limit (``staleness.first_reach`` reads the result).
     ``clock``: the time source of the records and of ``wall_time`` (start to last applied
     update). An argument the mode does not use is a ``ValueError`` naming the modes that use it.
     """
     delays = check_train_arguments(mode, len(workers), steps, k, delay, slowdown, step_time,
                                    max_staleness, optimizer, warmup_steps, eval_every,
-                                   staleness_lr)
+                                   staleness_lr, target_loss)
+    eval_every = 1 if target_loss is not None else eval_every
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
     batches = worker_batches(x, y, len(workers), batch_size)
     fns = [_grad_fn(model_fn, loss_fn, dev) for dev in workers]
-    full_loss = tf.function(lambda p, xs, ys: tf.reduce_mean(loss_fn(ys, model_fn(p, xs))))
-    eval_fn = functools.partial(full_loss, xs=x, ys=y)
+    eval_fn = functools.partial(_loss_fn(model_fn, loss_fn), xs=x, ys=y)
     k = {"sync": len(workers), "k_of_n": k}.get(mode, 1)
     server = _Server(mode, params, ps_device, optimizer, k, max_staleness, eval_fn, eval_every,
                      steps, clock)
-    server.staleness_lr = staleness_lr
+    server.staleness_lr, server.target_loss = staleness_lr, target_loss
     if eval_every and mode != "hogwild":
         server.curve.append((0, float(eval_fn(server.snapshot()))))
         server.curve_time.append(0.0)
+        server.stopped = target_loss is not None and server.curve[0][1] <= target_loss
         server.t0 = clock()
     if mode == "hogwild":
         run = run_lock_free(server.vars, server.update, fns, batches, steps=steps,
@@ -284,3 +302,36 @@ def train_delayed(*args, delay: int | Sequence[int], **kwargs) -> TrainResult:
     """``train("delayed", ..., delay=delay)``: gradient ``g`` reads parameters ``delay`` (or
     ``delay[g]``) versions old; deterministic, no threads."""
     return train("delayed", *args, delay=delay, **kwargs)
+
+
+def race_to_target(variants: Mapping[str, Mapping], *, target_loss: float, repeats: int,
+                   baseline: str, clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Time to a target loss: run every variant ``repeats`` times until its full-data loss
+    reaches ``target_loss`` and compare them.
+
+    ``variants[name]`` holds ``train``'s keyword arguments, ``mode`` included (``steps`` is the
+    limit of a run that does not get there). Every variant gets the same warm-up, one untimed
+    run of one update (each worker's step traced, the server's code paths run once), and the
+    same ``clock``. Repetitions are interleaved, one run of every variant per repetition, the
+    order rotated by one each time, so that a slow spell of the machine is shared out rather
+    than landing on one variant. Returns ``hits`` (``{name: [TargetHit or None per
+    repetition]}``, from ``staleness.first_reach``), ``runs`` (the ``TrainResult`` s, in the
+    same order) and ``summary`` (``staleness.race_summary`` against ``baseline``).
+    """
+    checks.positive_int("repeats", repeats)
+    checks.positive_number("target_loss", target_loss)
+    if baseline not in variants:
+        raise ValueError(f"baseline {baseline!r} is not one of {list(variants)}")
+    for name, kwargs in variants.items():
+        if "mode" not in kwargs or {"target_loss", "clock"} & set(kwargs):
+            raise ValueError(f"variant {name!r}: give train's arguments with a mode, and leave "
+                             f"target_loss and clock to race_to_target; got {sorted(kwargs)}")
+    for kwargs in variants.values():
+        train(**{**kwargs, "steps": 1, "eval_every": 0})
+    names = list(variants)
+    runs: dict[str, list[TrainResult]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(train(**variants[name], target_loss=target_loss, clock=clock))
+    hits = {name: [first_reach(result, target_loss) for result in runs[name]] for name in names}
+    return {"hits": hits, "runs": runs, "summary": race_summary(hits, baseline)}

@@ -14,7 +14,9 @@ against written-out tables; ``accel.parallel.parameter_server``'s threads only c
 * ``may_read``: whether a worker may read the parameters now;
 * ``delayed_read_version``: which version gradient ``g`` reads in the controlled-delay loop;
 * ``count_overlaps``: how many of a run's time spans overlapped another (lock-free updates that
-  interleaved, reads that saw an update half done).
+  interleaved, reads that saw an update half done);
+* ``first_reach``: when, after how many updates and gradients, a run's full-data loss first
+  reached a target; ``race_summary``: those of repeated runs as medians, spreads and ratios.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from accel import checks
 __all__ = ["MODES", "SYNC_MODES", "DECISIONS", "MODE_ONLY", "server_decision", "may_read",
            "check_train_arguments", "count_overlaps",
            "delayed_read_version", "UpdateRecord", "TrainResult", "staleness_histogram",
-           "delay_schedule", "summarize"]
+           "delay_schedule", "summarize", "TargetHit", "first_reach", "race_summary"]
 
 MODES = ("sync", "k_of_n", "async", "hogwild", "delayed")
 SYNC_MODES = ("sync", "k_of_n")  # updates average k gradients of the current version
@@ -38,7 +40,8 @@ DECISIONS = ("apply", "hold", "drop")
 MODE_ONLY = {"k": ("k_of_n",), "delay": ("delayed",), "max_staleness": ("async", "delayed"),
               "warmup_steps": ("async", "delayed"), "staleness_lr": ("async", "delayed"),
               "slowdown": ("sync", "k_of_n", "async", "hogwild"),
-              "step_time": ("sync", "k_of_n", "async", "hogwild")}
+              "step_time": ("sync", "k_of_n", "async", "hogwild"),
+              "target_loss": ("sync", "k_of_n", "async", "delayed")}
 
 
 def server_decision(mode: str, version: int, read_version: int, pending: int, k: int = 1,
@@ -224,7 +227,8 @@ def delay_schedule(steps: int, mean_delay: float, seed: int = 0) -> list[int]:
 
 def check_train_arguments(mode: str, num_workers: int, steps: int, k=None, delay=None,
                           slowdown=None, step_time=0.0, max_staleness=None, optimizer=0.1,
-                          warmup_steps=0, eval_every=0, staleness_lr=False) -> list[int]:
+                          warmup_steps=0, eval_every=0, staleness_lr=False,
+                          target_loss=None) -> list[int]:
     """Check the arguments of ``accel.parallel.parameter_server.train`` before any thread starts;
     return the per-gradient delays of the ``delayed`` mode ([] otherwise). An argument that
     ``mode`` does not use (see ``MODE_ONLY``) is a ``ValueError`` naming the modes that use it.
@@ -232,7 +236,8 @@ def check_train_arguments(mode: str, num_workers: int, steps: int, k=None, delay
     checks.one_of("mode", mode, MODES)
     given = {"k": k, "delay": delay, "max_staleness": max_staleness,
              "warmup_steps": warmup_steps or None, "slowdown": slowdown or None,
-             "step_time": step_time or None, "staleness_lr": staleness_lr or None}
+             "step_time": step_time or None, "staleness_lr": staleness_lr or None,
+             "target_loss": target_loss}
     for name, value in given.items():
         if value is not None and mode not in MODE_ONLY[name]:
             raise ValueError(f"{name}={value!r} has no effect in mode {mode!r}; the modes "
@@ -256,6 +261,12 @@ def check_train_arguments(mode: str, num_workers: int, steps: int, k=None, delay
     checks.non_negative_int("eval_every", eval_every)
     if max_staleness is not None:
         checks.non_negative_int("max_staleness", max_staleness)
+    if target_loss is not None:
+        if not np.isfinite(checks.positive_number("target_loss", target_loss)):
+            raise ValueError(f"target_loss must be a finite number > 0, got {target_loss!r}")
+        if eval_every not in (0, 1):
+            raise ValueError(f"target_loss evaluates the loss after every update; eval_every "
+                             f"must be 0 or 1 with it, got {eval_every!r}")
     if staleness_lr and checks.learning_rate(optimizer) is None:
         raise ValueError(f"staleness_lr divides the learning rate of plain SGD by the staleness: "
                          f"optimizer must be a learning rate, got {type(optimizer).__name__}")
@@ -263,3 +274,73 @@ def check_train_arguments(mode: str, num_workers: int, steps: int, k=None, delay
         raise ValueError(f"hogwild applies plain SGD from several threads at once: optimizer "
                          f"must be a learning rate, got {type(optimizer).__name__}")
     return [int(d) for d in delays]
+
+
+@dataclass(frozen=True)
+class TargetHit:
+    """When a run's full-data loss first reached a target: ``seconds`` after the start (the
+    run's clock: the arrival of the gradient whose update got there), after ``updates`` applied
+    updates made of ``examples`` examples; ``gradients`` counts every gradient that had reached
+    the server by then, ``dropped`` those of them that were thrown away (late or too stale)."""
+
+    seconds: float
+    updates: int
+    examples: int
+    gradients: int
+    dropped: int
+
+
+def first_reach(result: TrainResult, target_loss: float) -> TargetHit | None:
+    """The first sample of ``result.curve`` at or below ``target_loss`` as a ``TargetHit``
+    (``None`` if the loss never got there). Exact when the run sampled the loss after every
+    update (``eval_every=1`` or ``target_loss``); with sparser samples it is the first sample
+    that got there. Not for ``hogwild`` runs, whose records are written after the update and
+    whose versions may repeat."""
+    checks.positive_number("target_loss", target_loss)
+    if result.mode == "hogwild":
+        raise ValueError("first_reach reads a parameter server's records; a hogwild run's "
+                         "versions are counted by concurrent workers and may repeat")
+    if len(result.curve) != len(result.curve_time):
+        raise ValueError(f"curve has {len(result.curve)} samples but curve_time "
+                         f"{len(result.curve_time)}; they come from one run")
+    for (examples, loss), seconds in zip(result.curve, result.curve_time, strict=True):
+        if loss <= target_loss:
+            arrived = [r for r in result.records if r.time <= seconds]
+            updates = len({r.applied_version for r in arrived if not r.dropped})
+            dropped = sum(r.dropped for r in arrived)
+            return TargetHit(float(seconds), updates, int(examples), len(arrived), dropped)
+    return None
+
+
+def race_summary(hits: dict[str, Sequence[TargetHit | None]],
+                 baseline: str) -> dict[str, dict[str, float]]:
+    """Repeated runs to a target, per variant: ``hits[name][r]`` is repetition ``r``'s
+    ``TargetHit`` (``None``: never reached; it counts as infinitely late). Returns per variant
+    the median, ``min`` and ``max`` seconds, ``ratio``: the median over repetitions of its
+    seconds over ``baseline``'s in the same repetition (so that a slow moment of the machine
+    hits both sides of each ratio), and the medians of ``updates``, ``examples``, ``gradients``
+    and ``dropped`` over the repetitions that reached the target, with ``reached`` counting
+    them."""
+    if baseline not in hits:
+        raise ValueError(f"baseline {baseline!r} is not one of {list(hits)}")
+    counts = {len(v) for v in hits.values()}
+    if len(counts) != 1 or 0 in counts:
+        raise ValueError(f"every variant needs the same number (> 0) of repetitions, got "
+                         f"{ {k: len(v) for k, v in hits.items()} }")
+
+    def seconds(name):
+        return np.array([np.inf if h is None else h.seconds for h in hits[name]])
+
+    base = seconds(baseline)
+    out = {}
+    for name, runs in hits.items():
+        s = seconds(name)
+        done = [h for h in runs if h is not None]
+        row = {"median": float(np.median(s)), "min": float(s.min()), "max": float(s.max()),
+               "reached": len(done)}
+        with np.errstate(divide="ignore", invalid="ignore"):  # never reached: inf / inf
+            row["ratio"] = float(np.median(s / base))
+        for key in ("updates", "examples", "gradients", "dropped"):
+            row[key] = float(np.median([getattr(h, key) for h in done])) if done else np.nan
+        out[name] = row
+    return out

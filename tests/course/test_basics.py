@@ -13,7 +13,7 @@ def test_placeholders_are_not_answered_yet(four_devices):
     assert basics.check_small_matmul(None) == "exercise 2: not answered yet"
     assert basics.check_split_blockers(None) == "exercise 3: not answered yet"
     assert basics.check_one_copy(None) == "exercise 1: not answered yet"
-    assert basics.check_call_site_device(None, None) == "exercise 2: not answered yet"
+    assert basics.check_variable_read(None, None) == "exercise 2: not answered yet"
     assert basics.check_add_on_cpu1(None) == "exercise 3: not answered yet"
     assert basics.check_soft_fallback(None, None) == "exercise 1: not answered yet"
     assert basics.check_strict_gpu(None, None, None, None) == "exercise 2: not answered yet"
@@ -84,15 +84,20 @@ def test_chapter_02_solutions(four_devices):
     assert basics.check_one_copy(one_copy, x3, ones3) == "exercise 1: correct (1 copy)"
     assert "2 copies" in basics.check_one_copy(add_elsewhere, x3, ones3)
 
-    @tf.function
-    def scale_then_shift(x):  # the chapter's exercise 2
-        with tf.device("/cpu:1"):
-            scaled = tf.multiply(x, 2.0, name="scaled")
-        return tf.add(scaled, 1.0, name="shifted")
+    with tf.device("/cpu:2"):
+        counter = tf.Variable([1.0, 1.0], name="counter")
 
-    assert basics.check_call_site_device(scale_then_shift, "/cpu:3").startswith(
-        "exercise 2: correct")
-    assert "not quite" in basics.check_call_site_device(scale_then_shift, "/cpu:0")
+    @tf.function
+    def bump(x):  # the chapter's exercise 2: no request; reads a variable on /cpu:2
+        return tf.add(x, counter, name="shifted")
+
+    # called under /cpu:3: the read stays with the variable (rule 1), the add takes the call's
+    # device (rule 4), and the value read crosses from /cpu:2 to /cpu:3 once
+    assert basics.check_variable_read(bump, ("/cpu:3", 1)).startswith("exercise 2: correct")
+    assert "not quite (the device)" in basics.check_variable_read(bump, ("/cpu:2", 1))
+    assert "not quite (the number of copies)" in basics.check_variable_read(bump, ("/cpu:3", 0))
+    assert "answer with (device, copies)" in basics.check_variable_read(bump, "/cpu:3")
+    assert "not a device name" in basics.check_variable_read(bump, ("/tpu:x", 1))
 
     @tf.function
     def add_on_cpu1(a, b):  # arguments instead of constants: nothing to fold
@@ -168,3 +173,21 @@ def test_inception_run_is_the_chapters_arithmetic():
 
     work = steps.training_flops(**training_cost.INCEPTION_V3)
     assert abs(work - 3 * 2 * 5e9 * 1_281_167 * 100) < 1e-9 * work
+
+
+def test_03_exercise_3_counter_gaps():
+    """The answer by hand: inside the function are AssignAddVariableOp (int32 has a DEFAULT
+    kernel), ReadVariableOp (a DEFAULT kernel for any dtype), Identity, Const and an int32 Mul
+    (a GPU kernel): nothing is missing; the int32 VarHandleOp is outside the traced graph."""
+    v = tf.Variable(0)
+
+    @tf.function
+    def count(x):
+        v.assign_add(x)
+        return v.read_value() * 2
+
+    assert basics.check_counter_gaps(None, count, tf.constant(1)) == "exercise 3: not answered yet"
+    assert basics.check_counter_gaps([], count, tf.constant(1)).startswith("exercise 3: correct")
+    assert "not yet" in basics.check_counter_gaps([("Mul", "Mul", "int32")], count, tf.constant(1))
+    assert "answer with a list" in basics.check_counter_gaps("none", count, tf.constant(1))
+

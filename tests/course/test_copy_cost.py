@@ -75,3 +75,27 @@ def test_measure_hop_cost_bad_arguments():
         copy_cost.measure_hop_cost(["/cpu:0"])
     with pytest.raises(ValueError, match=r"chain must be >= 2 \(one crossing at least\), got 1"):
         copy_cost.measure_hop_cost(["/cpu:0", "/cpu:1"], chain=1)
+
+
+def test_copy_time_is_latency_plus_bytes_by_hand():
+    # 4 MiB at 50 GB/s: 83.886 us of bytes after 5 us of latency
+    assert copy_cost.copy_time(4 * 2**20, 50e9, 5e-6) == pytest.approx(5e-6 + 4 * 2**20 / 50e9)
+    assert copy_cost.copy_time(0, 50e9, 5e-6) == 5e-6
+    # at the break-even size the bytes take exactly the latency: the copy costs twice it
+    even = copy_cost.break_even_bytes(5e-6, 50e9)
+    assert even == pytest.approx(250_000)
+    assert copy_cost.copy_time(even, 50e9, 5e-6) == pytest.approx(2 * 5e-6)
+    # the same bytes in 1024 copies pay the latency 1024 times
+    many = 1024 * copy_cost.copy_time(4 * 2**10, 50e9, 5e-6)
+    assert many == pytest.approx(1024 * 5e-6 + 4 * 2**20 / 50e9)
+    assert copy_cost.GPU_COPY_LATENCY_S == (5e-6, 7e-6)
+    assert "arXiv:2602.21548" in copy_cost.GPU_COPY_LATENCY_SOURCE
+
+
+def test_copy_time_bad_arguments():
+    with pytest.raises(ValueError, match="bytes_per_s must be > 0, got 0"):
+        copy_cost.copy_time(1, 0, 5e-6)
+    with pytest.raises(ValueError, match=r"must be >= 0, got nbytes=-1"):
+        copy_cost.copy_time(-1, 1e9, 5e-6)
+    with pytest.raises(ValueError, match="must be > 0"):
+        copy_cost.break_even_bytes(0, 1e9)

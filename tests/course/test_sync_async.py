@@ -133,3 +133,17 @@ def test_one_thread_never_loses_an_increment(four_devices):
     race = sync_async.race_increments(four_devices[0], "read_then_assign", threads=1, repeats=7,
                                    size=16)
     assert race == {"expected": 7, "lowest": 7.0, "lost": 0.0}
+
+
+def test_time_to_target_figure_draws_the_summary():
+    """One bar per variant at its median, whiskers from min to max, straggler runs hatched."""
+    summary = {"sync": {"median": 1.0, "min": 0.9, "max": 1.2},
+               "sync, straggler": {"median": 3.0, "min": 2.5, "max": 3.5}}
+    fig = sync_async.figure_time_to_target(summary)
+    ax = fig.axes[0]
+    assert [p.get_width() for p in ax.patches] == [1.0, 3.0]
+    assert [p.get_hatch() for p in ax.patches] == [None, "//"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["sync", "sync, straggler"]
+    (segments,) = [c for c in ax.collections if len(c.get_segments()) == 2]
+    assert [tuple(s[:, 0]) for s in segments.get_segments()] == [(0.9, 1.2), (2.5, 3.5)]
+    plt.close(fig)

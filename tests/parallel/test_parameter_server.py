@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from accel import models
 from accel.parallel import parameter_server as ps
+from accel.parallel import staleness
 from accel.training import squared_error
 
 LR = 0.05
@@ -240,3 +241,78 @@ def test_staleness_aware_learning_rate_by_hand(problem, four_devices):
     with pytest.raises(ValueError, match="must be a learning rate"):
         ps.train_delayed(**dict(common, optimizer=tf.keras.optimizers.SGD(LR)), delay=2,
                          staleness_lr=True)
+
+
+class Ticks:
+    """A clock that advances by one at every call, so that times count clock readings."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def first_index_at_or_below(losses, target):
+    return next(i for i, loss in enumerate(losses) if loss <= target)
+
+
+@pytest.mark.parametrize("mode, extra", [("sync", {}), ("delayed", {"delay": 2})])
+def test_target_loss_stops_at_the_first_update_that_gets_there(problem, four_devices, mode,
+                                                               extra):
+    """The same deterministic run without a target, its loss sampled after every update: the
+    run with a target is its prefix up to the first sample at or below the target."""
+    common = dict(problem, workers=four_devices[1:], ps_device=four_devices[0],
+                  batch_size=BATCH, optimizer=LR, **extra)
+    full = ps.train(mode, **common, steps=30, eval_every=1)
+    losses = [loss for _, loss in full.curve]
+    target = sorted(losses)[len(losses) // 2]  # reached half-way or earlier
+    stop = first_index_at_or_below(losses, target)
+    assert 0 < stop < 30
+    run = ps.train(mode, **common, steps=30, target_loss=target)
+    assert len(run.curve) == stop + 1
+    np.testing.assert_allclose([loss for _, loss in run.curve], losses[:stop + 1], rtol=1e-6)
+    assert staleness.first_reach(run, target).updates == stop
+    assert run.records[-1].applied_version == stop - 1  # nothing was computed after it
+
+
+def test_race_to_target_on_an_injected_clock(problem, four_devices):
+    """Controlled delays have no threads: with a clock that ticks once per reading, a
+    gradient's time is its number (the server reads the clock once per gradient, after the
+    start), so seconds to the target are the gradients it took, and the ratio to the fresh
+    run is the ratio of the updates that the full runs (no target) needed by hand."""
+    common = dict(problem, mode="delayed", workers=four_devices[1:], ps_device=four_devices[0],
+                  batch_size=BATCH, optimizer=LR, steps=60)
+    fresh = ps.train_delayed(**{k: v for k, v in common.items() if k != "mode"}, delay=0,
+                             eval_every=1)
+    target = [loss for _, loss in fresh.curve][12]
+    needed = {}
+    for name, delay in (("fresh", 0), ("stale", 4)):
+        full = ps.train_delayed(**{k: v for k, v in common.items() if k != "mode"},
+                                delay=delay, eval_every=1)
+        needed[name] = first_index_at_or_below([loss for _, loss in full.curve], target)
+    race = ps.race_to_target({"fresh": dict(common, delay=0), "stale": dict(common, delay=4)},
+                             target_loss=target, repeats=2, baseline="fresh", clock=Ticks())
+    for name, n in needed.items():
+        assert race["hits"][name] == [staleness.TargetHit(float(n), n, n * BATCH, n, 0)] * 2
+        assert [len(r.records) for r in race["runs"][name]] == [n, n]
+    summary = race["summary"]
+    assert needed["stale"] > needed["fresh"] and summary["fresh"]["ratio"] == 1.0
+    assert summary["stale"]["ratio"] == pytest.approx(needed["stale"] / needed["fresh"])
+    assert summary["stale"]["median"] == summary["stale"]["min"] == float(needed["stale"])
+
+
+def test_race_to_target_refuses_what_it_sets_itself(problem, four_devices):
+    variant = dict(problem, mode="delayed", delay=1, workers=four_devices[1:], steps=5,
+                   ps_device=four_devices[0], batch_size=BATCH)
+    with pytest.raises(ValueError, match="leave target_loss and clock to race_to_target"):
+        ps.race_to_target({"a": dict(variant, clock=Ticks())}, target_loss=1.0, repeats=1,
+                          baseline="a")
+    with pytest.raises(ValueError, match="give train's arguments with a mode"):
+        ps.race_to_target({"a": {k: v for k, v in variant.items() if k != "mode"}},
+                          target_loss=1.0, repeats=1, baseline="a")
+    with pytest.raises(ValueError, match="baseline 'b' is not one of"):
+        ps.race_to_target({"a": variant}, target_loss=1.0, repeats=1, baseline="b")
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        ps.race_to_target({"a": variant}, target_loss=1.0, repeats=0, baseline="a")

@@ -1,6 +1,7 @@
 """accel.parallel.staleness: the server's decisions against written-out tables, overlap
 counting against hand-drawn spans, the analysis of records against hand counts."""
 
+import numpy as np
 import pytest
 
 from accel.parallel import staleness
@@ -100,3 +101,67 @@ def test_hogwild_takes_a_learning_rate_only():
         staleness.check_train_arguments("hogwild", 3, 5, max_staleness=2)
     assert staleness.check_train_arguments("hogwild", 3, 5, step_time=0.01,
                                            slowdown={2: 4.0}) == []
+
+
+def hit(seconds, updates=1, examples=32, gradients=1, dropped=0):
+    return staleness.TargetHit(seconds, updates, examples, gradients, dropped)
+
+
+def test_first_reach_against_a_hand_written_run():
+    """A k_of_n run (k = 2 of 3) by hand: version 0 at loss 4; the update at t = 0.2 (two
+    gradients, one late one dropped at t = 0.25) gives loss 2; the update at t = 0.5 gives 0.9.
+    Target 1: reached at t = 0.5 after 2 updates of 64 examples, 5 gradients arrived, 1
+    dropped; target 3: at t = 0.2; target 0.5: never."""
+    recs = [staleness.UpdateRecord(0, 0, 0, 1.0, 0.1, 32),
+            staleness.UpdateRecord(1, 0, 0, 1.0, 0.2, 32),
+            staleness.UpdateRecord(2, 0, 1, 1.0, 0.25, 32, dropped=True),
+            staleness.UpdateRecord(0, 1, 1, 1.0, 0.4, 32),
+            staleness.UpdateRecord(2, 1, 1, 1.0, 0.5, 32),
+            staleness.UpdateRecord(1, 1, 2, 1.0, 0.6, 32, dropped=True)]
+    run = staleness.TrainResult("k_of_n", [], recs, 0.5, 0.9,
+                                curve=[(0, 4.0), (64, 2.0), (128, 0.9)],
+                                curve_time=[0.0, 0.2, 0.5])
+    assert staleness.first_reach(run, 1.0) == hit(0.5, 2, 128, 5, 1)
+    assert staleness.first_reach(run, 3.0) == hit(0.2, 1, 64, 2, 0)
+    assert staleness.first_reach(run, 4.0) == hit(0.0, 0, 0, 0, 0)
+    assert staleness.first_reach(run, 0.5) is None
+    with pytest.raises(ValueError, match="target_loss must be a number > 0"):
+        staleness.first_reach(run, 0)
+    with pytest.raises(ValueError, match="curve has 3 samples but curve_time 1"):
+        staleness.first_reach(staleness.TrainResult("sync", [], recs, 0.5, 0.9, run.curve,
+                                                    [0.0]), 1.0)
+    with pytest.raises(ValueError, match="hogwild run's versions"):
+        staleness.first_reach(staleness.TrainResult("hogwild", [], recs, 0.5, 0.9), 1.0)
+
+
+def test_race_summary_against_hand_computed_medians():
+    """sync takes 1, 3, 10 s, async 4, 3, 5 s: medians 3 and 4, but the ratio is the median of
+    the ratios within each repetition, 4/1, 3/3, 5/10 -> 1 (not 4/3). A run that never got
+    there counts as infinitely late and is left out of the counts' medians."""
+    hits = {"sync": [hit(1.0, 8), hit(3.0, 8), hit(10.0, 8)],
+            "async": [hit(4.0, 20), hit(3.0, 24), hit(5.0, 27)],
+            "stuck": [hit(2.0, 30, gradients=40, dropped=10), None, None]}
+    out = staleness.race_summary(hits, "sync")
+    assert out["sync"] == {"median": 3.0, "min": 1.0, "max": 10.0, "reached": 3, "ratio": 1.0,
+                           "updates": 8.0, "examples": 32.0, "gradients": 1.0, "dropped": 0.0}
+    assert (out["async"]["median"], out["async"]["ratio"], out["async"]["updates"]) == (
+        4.0, 1.0, 24.0)
+    assert out["stuck"]["reached"] == 1 and out["stuck"]["median"] == np.inf
+    assert out["stuck"]["ratio"] == np.inf and out["stuck"]["min"] == 2.0
+    assert (out["stuck"]["gradients"], out["stuck"]["dropped"]) == (40.0, 10.0)
+    with pytest.raises(ValueError, match="baseline 'ring' is not one of"):
+        staleness.race_summary(hits, "ring")
+    with pytest.raises(ValueError, match="same number"):
+        staleness.race_summary({"sync": [hit(1.0)], "async": []}, "sync")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "hogwild", "target_loss": 0.5}, "target_loss=0.5 has no effect in mode 'hogwild'"),
+    ({"mode": "sync", "target_loss": 0}, "target_loss must be a number > 0, got 0"),
+    ({"mode": "sync", "target_loss": float("inf")}, "target_loss must be a finite number"),
+    ({"mode": "async", "target_loss": 0.5, "eval_every": 10}, "eval_every must be 0 or 1"),
+])
+def test_target_loss_arguments_are_checked(kwargs, message):
+    mode = kwargs.pop("mode")
+    with pytest.raises(ValueError, match=message):
+        staleness.check_train_arguments(mode, 3, 5, **kwargs)
