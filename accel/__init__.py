@@ -114,9 +114,10 @@ benchmarks, and worker processes inherit them):
 
 * ``TF_CPP_MIN_LOG_LEVEL=2``: no C++ INFO/WARNING lines;
 * ``TF_ENABLE_ONEDNN_OPTS=0``: TensorFlow's own CPU kernels everywhere. TensorFlow turns oneDNN on
-  by default only on some CPUs (those with AVX-512 VNNI / BF16 or AMX); it then rewrites graphs
-  (``MatMul`` runs as ``_MklMatMul``) and takes other scratch buffers, so placement tables and
-  memory figures would depend on the reader's CPU.
+  by default in its x86 Windows builds and on Linux CPUs with AVX-512 VNNI / BF16, AVX-VNNI or
+  AMX, or ARM Neoverse V1 (``DefaultOneDnnPolicy``, tensorflow/core/util/port.cc); it then
+  rewrites graphs (``MatMul`` runs as ``_MklMatMul``) and takes other scratch buffers, so
+  placement tables and memory figures would depend on the reader's CPU.
 
 Command line: ``python -m accel devices`` prints the device report; ``python -m accel bench NAME``
 runs a benchmark (``python -m accel bench --list`` shows the names); ``python -m accel images``

@@ -17,6 +17,8 @@ session run.
 - ``device_timeline(runs, table)``: those ops on the lanes of the devices they ran on (a
   ``placement_of`` table of the same function), with one ``'copy -> DEVICE'`` interval per
   tensor sent between devices: the TF2 timeline of one step.
+- ``memory_timeline(path)``: the allocator's own record in that file, one ``MemoryEvent`` per
+  allocation or free (bytes in use after it, the op that asked): memory over one step.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from accel.placement import Placement, short_device
 
 __all__ = ["Interval", "traced_run", "step_intervals", "copy_intervals", "profile_trace",
            "TraceEvent", "trace_events", "OpRun", "op_runs", "device_timeline", "summarize_trace",
-           "format_summary",
+           "format_summary", "MemoryEvent", "memory_timeline",
            "log_severity", "visible_at_level"]
 
 
@@ -257,6 +259,68 @@ def device_timeline(runs: Sequence[OpRun], table: Placement,
             copies.append(Interval(f"copy -> {to}", begin, max(begin, min(users)), src,
                                    "_Send/_Recv"))
     return ops, sorted(copies, key=lambda i: (i.start, i.lane))
+
+
+@dataclass(frozen=True)
+class MemoryEvent:
+    """One allocation (``change > 0``) or free (``change < 0``) of a profiler trace: time in ms
+    from the trace's first memory event, ``in_use`` the allocator's bytes in use after it,
+    ``change`` the bytes it took or gave back (the allocator's chunk: ``in_use`` moves by that),
+    ``requested`` the tensor's own bytes (a chunk may be larger), ``op`` the op that asked (""
+    for a free), and ``allocator`` the allocator's name."""
+
+    time: float
+    in_use: int
+    change: int
+    requested: int
+    op: str
+    allocator: str
+
+
+_MEMORY_EVENTS = {"MemoryAllocation": 1, "MemoryDeallocation": -1}
+
+
+def memory_timeline(path: str, plane: str = "/host:CPU") -> list[MemoryEvent]:
+    """The allocations and frees of an ``*.xplane.pb`` trace on ``plane``, earliest first.
+
+    TensorFlow's BFC allocator records each one while the profiler runs (``MemoryAllocation`` /
+    ``MemoryDeallocation`` events with the stats ``bytes_allocated``, its bytes in use after
+    the event, ``allocation_bytes``, the chunk it handed out or took back, ``requested_bytes``
+    and ``tf_op``): what
+    TensorBoard's memory profile tool draws. On a CPU only the BFC allocator records them
+    (``TF_CPU_ALLOCATOR_USE_BFC=true``); an empty list means no allocator reported."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    raw = []
+    for pl in space.planes:
+        if pl.name != plane:
+            continue
+        names = {k: v.name for k, v in pl.stat_metadata.items()}
+        for line in pl.lines:
+            for ev in line.events:
+                sign = _MEMORY_EVENTS.get(pl.event_metadata[ev.metadata_id].name)
+                if sign is None:
+                    continue
+                stats = {}
+                for st in ev.stats:
+                    kind = st.WhichOneof("value")
+                    value = getattr(st, kind) if kind else None
+                    stats[names.get(st.metadata_id)] = (names.get(value, "")
+                                                        if kind == "ref_value" else value)
+                start = line.timestamp_ns * 1e-6 + ev.offset_ps * 1e-9
+                raw.append((start, int(stats.get("bytes_allocated", 0)),
+                            sign * int(stats.get("allocation_bytes", 0)),
+                            sign * int(stats.get("requested_bytes", 0)),
+                            str(stats.get("tf_op", "")) if sign > 0 else "",
+                            str(stats.get("allocator_name", ""))))
+    if not raw:
+        return []
+    raw.sort(key=lambda r: r[0])
+    first = raw[0][0]
+    return [MemoryEvent(t - first, *rest) for t, *rest in raw]
 
 
 def summarize_trace(events: Iterable[TraceEvent], names: Sequence[str] | None = None,

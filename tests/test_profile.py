@@ -198,3 +198,25 @@ def test_device_timeline_of_a_traced_function_matches_its_placement(four_devices
     assert at["add"].start >= max(at["MatMul_1"].end, at["MatMul_2"].end)
     back = next(c for c in copies if c.name == "MatMul_2")
     assert back.start == at["MatMul_2/_3"].start and back.end == at["add"].start
+
+
+def test_memory_timeline_records_a_known_allocation_and_its_free(tmp_path):
+    """A 512 x 512 float32 product is 1 MiB: the trace shows the allocator handing it to the op
+    named ``product``, then taking 1 MiB back once the sum has read it (the BFC allocator
+    records both: conftest sets TF_CPU_ALLOCATOR_USE_BFC=true)."""
+    @tf.function
+    def step(x):
+        return tf.reduce_sum(tf.matmul(x, x, name="product"))
+
+    xs = tf.ones((512, 512))
+    step(xs)  # traced before the profile
+    events = profile.memory_timeline(profile.profile_trace(lambda: step(xs), str(tmp_path)))
+    assert events and events[0].time == 0.0
+    assert all(a.time <= b.time for a, b in zip(events, events[1:], strict=False))
+    made = [e for e in events if e.op == "product"]
+    assert [e.requested for e in made] == [2**20] and made[0].change >= 2**20
+    assert made[0].allocator == "bfc_cpu_allocator_for_gpu"
+    later = events[events.index(made[0]) + 1:]
+    assert any(e.requested == -2**20 and e.op == "" for e in later)
+    assert profile.memory_timeline(profile.profile_trace(lambda: None, str(tmp_path / "idle"))) \
+        == []

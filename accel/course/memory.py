@@ -1,14 +1,15 @@
-"""Chapters 04 and 05's experiments: the memory benchmark, the measured ``04_memory.png`` figure
-(saved by the chapter's cell, not by ``make images``), the inter-op overlap probe, the cost
-models of a transformer's training memory and of recomputation, and the exercise checks (each
-returns "exercise N: not answered yet" for ``None``, "correct ..." or what is still wrong; the
-solutions live in ``tests/course/test_memory.py``)."""
+"""Chapters 04 and 05's experiments: the memory benchmark and its ratio figure, one step's memory
+timeline read from the profiler (``step_memory_timeline``, drawn by ``figure_memory_timeline``),
+the inter-op overlap probe, the cost models of a transformer's training memory and of
+recomputation, and the exercise checks (each returns "exercise N: not answered yet" for
+``None``, "correct ..." or what is still wrong; the solutions live in
+``tests/course/test_memory.py``)."""
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -22,9 +23,10 @@ from accel.memory.savings import ratios as variant_ratios
 from accel.timing import format_ratios
 
 __all__ = ["bench_memory", "figure_memory", "process_threads", "process_rss", "two_chains",
-           "overlapping_pairs", "step_breakdown", "MIXED_ADAM_BYTES", "transformer_memory",
-           "recomputation_plans", "check_one_buffer", "check_half_pays", "check_overflow_steps",
-           "check_xla_compilations"]
+           "overlapping_pairs", "step_breakdown", "step_memory_timeline",
+           "figure_memory_timeline", "MIXED_ADAM_BYTES", "MEGATRON_BF16_BYTES",
+           "transformer_memory", "recomputation_plans", "check_one_buffer", "check_plan_fits",
+           "check_half_pays", "check_overflow_steps", "check_xla_compilations"]
 
 
 def bench_memory(device_names: Sequence[str] = (), quick: bool = False) -> dict:
@@ -149,12 +151,66 @@ def _matmul_breakdown(runs, logdir: str) -> dict:
                            "backward" if r in backward else "forward") for r in matmuls]}
 
 
+def step_memory_timeline(logdir: str, variant: str = "plain", batch: int = 1024, blocks: int = 8,
+                         width: int = 128) -> list[profile.MemoryEvent]:
+    """The allocator's record of one gradient step of ``accel.memory.savings``' residual MLP
+    (``variant``: one of its ``VARIANTS``), read from a profiler trace written under ``logdir``
+    (``accel.profile.memory_timeline``): every allocation and free, with the bytes in use after
+    it. The step is traced and run once before the profiled call. On a CPU the allocator
+    records only with ``TF_CPU_ALLOCATOR_USE_BFC=true``; without it this raises ValueError."""
+    params = residual_mlp(blocks, width)
+    x = tf.constant(np.random.default_rng(1).normal(size=(batch, width)).astype(np.float32))
+    step = tf.function(lambda: gradient_step(params, x, variant))
+    step()[0].numpy()
+    events = profile.memory_timeline(profile.profile_trace(lambda: step()[0].numpy(), logdir))
+    if not events:
+        raise ValueError("the trace holds no allocator events: on CPU set "
+                         "TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow's first op")
+    return events
+
+
+def _backward_start(events) -> int | None:
+    """Index of the first allocation by a matmul of the gradient tape (the backward's first)."""
+    return next((i for i, e in enumerate(events)
+                 if e.op.startswith("gradient_tape/") and "MatMul" in e.op), None)
+
+
+def figure_memory_timeline(timelines: Mapping[str, Sequence[profile.MemoryEvent]]):
+    """One line per variant: the allocator's bytes in use above the level before the step's
+    first event, against the allocations and frees in the order they happened
+    (``step_memory_timeline``'s events); a dotted line marks each variant's first backward
+    matmul."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    for i, (name, events) in enumerate(timelines.items()):
+        start = events[0].in_use - events[0].change
+        color = f"C{i}"
+        ax.plot([(e.in_use - start) / 2**20 for e in events], label=name, color=color)
+        turn = _backward_start(events)
+        if turn is not None:
+            ax.axvline(turn, color=color, ls=":", lw=1)
+    ax.set_xlabel("allocations and frees, in order (dotted: first backward matmul)")
+    ax.set_ylabel("MiB in use above the start")
+    ax.set_title("one gradient step, from the allocator's profiler events")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 # Bytes per parameter of mixed-precision training with Adam as ZeRO counts them (Rajbhandari et
 # al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", arXiv:1910.02054,
 # section 3.1): 16-bit weights and gradients, and the optimizer's fp32 state (a master copy of
 # the weights and Adam's two moments), 16 in all.
 MIXED_ADAM_BYTES: dict[str, int] = {
     "weights (bf16/fp16)": 2, "gradients (bf16/fp16)": 2, "master weights (fp32)": 4,
+    "Adam m (fp32)": 4, "Adam v (fp32)": 4,
+}
+# Megatron-LM with bf16 weights accumulates and all-reduces gradients in fp32 (``main_grad``):
+# 18 bytes per parameter without a distributed optimizer (Megatron Core developer guide,
+# "Distributed Optimizer": "bf16 parameters, fp32 gradients: 18").
+MEGATRON_BF16_BYTES: dict[str, int] = {
+    "weights (bf16)": 2, "main gradients (fp32)": 4, "master weights (fp32)": 4,
     "Adam m (fp32)": 4, "Adam v (fp32)": 4,
 }
 
@@ -168,23 +224,28 @@ def _check_shape(layers, hidden, heads, seq, batch) -> None:
 
 
 def transformer_memory(params: int, layers: int, hidden: int, heads: int, seq: int,
-                       batch: int = 1, flash_attention: bool = False) -> dict[str, float]:
+                       batch: int = 1, flash_attention: bool = False,
+                       state_bytes: Mapping[str, int] = MIXED_ADAM_BYTES) -> dict[str, float]:
     """Bytes one device holds to train a GPT-style transformer of ``params`` parameters and
     ``layers`` layers (hidden size ``hidden``, ``heads`` attention heads) on ``batch`` sequences
     of ``seq`` tokens, with mixed-precision Adam, no sharding and no recomputation: the model
-    states of ``MIXED_ADAM_BYTES`` (one entry per part), their sum ``"model states"``, the
-    ``"activations"`` the layers keep for the backward pass, and the ``"total"``.
+    states of ``state_bytes`` (bytes per parameter of each part, one entry per part:
+    ``MIXED_ADAM_BYTES``, or ``MEGATRON_BF16_BYTES`` for fp32 gradient accumulation), their sum
+    ``"model states"``, the ``"activations"`` the layers keep for the backward pass, and the
+    ``"total"``.
 
     Activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
     Transformer Models", arXiv:2205.05198, section 4.1; 16-bit, dropout masks included):
-    ``s b h (34 + 5 a s / h)`` bytes; the ``5 a s / h`` part is attention's ``s x s`` scores,
-    softmax and dropout mask per head, which FlashAttention does not store
-    (``flash_attention=True`` keeps ``34 s b h``). Not counted: the embedding's and the logits'
-    activations, the kernels' workspace, the allocator's fragmentation."""
+    ``s b h (34 + 5 a s / h)`` bytes; the ``5 a s / h`` part is what attention keeps per head
+    of its ``s x s`` matrices: the softmax output (``2 a s^2 b``), the dropout mask
+    (``a s^2 b``) and the dropout output (``2 a s^2 b``); the scores before the softmax are not
+    kept. FlashAttention keeps none of them (``flash_attention=True`` keeps ``34 s b h``). Not
+    counted: the embedding's and the logits' activations, the kernels' workspace, the
+    allocator's fragmentation."""
     checks.positive_int("params", params)
     _check_shape(layers, hidden, heads, seq, batch)
-    out: dict[str, float] = {part: per * params for part, per in MIXED_ADAM_BYTES.items()}
-    out["model states"] = sum(MIXED_ADAM_BYTES.values()) * params
+    out: dict[str, float] = {part: per * params for part, per in state_bytes.items()}
+    out["model states"] = sum(state_bytes.values()) * params
     per_layer = (34 * seq * batch * hidden if flash_attention
                  else transformer_cost.layer_activation_bytes(batch, seq, hidden, heads))
     out["activations"] = layers * per_layer
@@ -200,9 +261,10 @@ def recomputation_plans(layers: int, hidden: int, heads: int, seq: int,
     activations (Korthikanti et al. 2022, section 4.1), and ``2 s b h`` its 16-bit input:
 
     * ``"keep everything"``: ``L A``, nothing recomputed;
-    * ``"selective"`` (recompute attention's scores, softmax and dropout; Korthikanti et al.,
-      section 5): ``L 34 s b h`` kept, plus one layer's ``5 a s^2 b`` rebuilt at a time; extra
-      work: the two score matmuls, ``4 b s^2 h`` per layer;
+    * ``"selective"`` (recompute attention's core, ``Q K^T``, softmax, dropout and attention over
+      ``V``, whose softmax output, dropout mask and dropout output are the ``5 a s^2 b``;
+      Korthikanti et al., section 5): ``L 34 s b h`` kept, plus one layer's ``5 a s^2 b`` rebuilt
+      at a time; extra work: the two ``s x s`` matmuls, ``4 b s^2 h`` per layer;
     * ``"full, every layer"`` (keep each layer's input, rerun its forward): ``2 s b h L + A``;
       extra work: one forward pass, a third of a training step (``accel.costmodel.transformer``:
       3 passes);
@@ -334,6 +396,58 @@ def check_one_buffer(answer) -> str:
         return f"exercise 1: correct: {mib} MiB, one buffer reused in place"
     return (f"exercise 1: not yet: {mib} MiB; the square still needs a buffer of its own "
             "because `a` is read again after it")
+
+
+# exercise 2's transformer: GPT-3 6.7B's shape (Brown et al. 2020, Table 2.1) with GPT-2's
+# 50,257-token vocabulary, as chapter 04 counts it, at 4096 tokens per sequence
+_GPT3_6B7 = {"layers": 32, "hidden": 4096, "heads": 32, "seq": 4096}
+_GPT3_6B7_PARAMS = 12 * 32 * 4096**2 + 50257 * 4096
+
+
+def _largest_fit(plan: str, room: float) -> int:
+    """The largest micro-batch whose ``plan`` activations fit in ``room`` bytes (0: none).
+    Every plan's activations grow linearly with the micro-batch."""
+    one = recomputation_plans(**_GPT3_6B7)[plan][0]
+    return max(0, int(room // one))
+
+
+def check_plan_fits(answer, gpu: str = "NVIDIA B200") -> str:
+    """04, exercise 2: ``(plan, micro_batch)`` to train exercise 2's transformer (GPT-3 6.7B's
+    shape at 4096 tokens, stored attention scores) on one ``gpu`` of
+    ``accel.costmodel.hardware.MEMORY_GB`` without sharding, with mixed-precision Adam (16 bytes
+    per parameter): the ``recomputation_plans`` plan with the least extra work among those that
+    fit one sequence beside the model states, and the largest micro-batch that fits with it
+    (states + the plan's activations at most the GPU's memory, GB = 1e9 bytes)."""
+    if answer is None:
+        return "exercise 2: not answered yet"
+    from accel.costmodel import hardware
+
+    plans = recomputation_plans(**_GPT3_6B7)
+    try:
+        plan, batch = answer
+    except (TypeError, ValueError):
+        plan = batch = None
+    if plan not in plans or isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        return ("exercise 2: answer with a pair (plan, micro-batch), the plan one of "
+                f"{', '.join(map(repr, plans))} and the micro-batch an int >= 1")
+    capacity = hardware.MEMORY_GB[gpu].value * 1e9
+    room = capacity - sum(MIXED_ADAM_BYTES.values()) * _GPT3_6B7_PARAMS
+    fits = {name: _largest_fit(name, room) for name in plans}
+    if not any(fits.values()):
+        raise ValueError(f"no plan fits one sequence on the {gpu}: pick a larger GPU")
+    least = min(plans[name][1] for name in plans if fits[name] >= 1)
+    need = plans[plan][0] * batch
+    if batch > fits[plan]:
+        return (f"exercise 2: not yet: at micro-batch {batch}, {plan!r} keeps "
+                f"{need / 1e9:.1f} GB of activations beside {(capacity - room) / 1e9:.1f} GB "
+                f"of model states: more than the {capacity / 1e9:.0f} GB of the {gpu}")
+    if plans[plan][1] > least:
+        return (f"exercise 2: not yet: {plan!r} fits, but a plan with less extra work fits "
+                "too; look at the second column")
+    if batch < fits[plan]:
+        return f"exercise 2: not yet: {plan!r} is right, and it fits a larger micro-batch"
+    return (f"exercise 2: correct: {plan!r} at micro-batch {batch}, "
+            f"{(capacity - room + need) / 1e9:.1f} of {capacity / 1e9:.0f} GB")
 
 
 def _kept_line(model) -> tuple[int, int]:

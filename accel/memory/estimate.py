@@ -6,10 +6,13 @@ a model's shapes, and checked against the tensors TensorFlow really holds.
 ``format_estimates`` prints several side by side; ``tensor_bytes`` counts real tensors. The
 checking side (what TensorFlow really holds and its allocator's peaks) is ``accel.memory.measure``.
 
-Measuring on CPU: ``tf.config.experimental.get_memory_info("CPU:0")`` only reports when the
-environment has ``TF_CPU_ALLOCATOR_USE_BFC=true`` *before TensorFlow is imported* (TensorFlow then
-uses its BFC allocator for host memory, the one it uses on GPUs). There is one host allocator per
-process, so all logical CPUs of ``accel.devices.setup`` share it: ``"CPU:0"`` reports them all.
+Measuring on CPU: with oneDNN off (as ``accel.course`` sets it),
+``tf.config.experimental.get_memory_info("CPU:0")`` only reports when the environment has
+``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow creates its devices, at its first op
+(``ProcessState::GetCPUAllocator`` reads it when it makes the host allocator; TensorFlow then
+uses its BFC allocator for host memory, the one it uses on GPUs). With oneDNN on, its ``mklcpu``
+allocator reports as well. There is one host allocator per process, so all logical CPUs of
+``accel.devices.setup`` share it: ``"CPU:0"`` reports them all.
 
 Recomputation and mixed precision: ``accel.memory.savings``; configuration builders:
 ``accel.memory.config``.
@@ -45,7 +48,9 @@ MIB = 2**20
 # 30 MiB cache ("target_working_set_size" in conv_grad_*_ops), whatever the batch. On TF 2.21
 # (AVX2 CPU) the step stats of the course's small convolutions show 18-32 MiB of temporary memory
 # per gradient op, depending on shapes, batch and how the allocator rounds its chunks; other
-# kernel libraries (oneDNN, used by default on CPUs with AVX-512) size their scratch differently.
+# kernel libraries (oneDNN, on by default in TensorFlow's x86 Windows builds and on Linux CPUs
+# with AVX-512 VNNI / BF16, AVX-VNNI or AMX, or ARM Neoverse V1: ``DefaultOneDnnPolicy`` in
+# tensorflow/core/util/port.cc) size their scratch differently.
 # Chapter 04 uses ``measure_conv_workspace`` (this machine's figure) instead of this constant.
 CPU_CONV_WORKSPACE = 32 * MIB
 

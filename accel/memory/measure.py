@@ -7,8 +7,9 @@
 * ``measure_conv_workspace``: the scratch this machine's convolution kernels take
   (``input_gradient_needed``: whether a step computes a layer's input gradient).
 
-On CPU the allocator reports only when ``TF_CPU_ALLOCATOR_USE_BFC=true`` was set before
-TensorFlow was imported (see ``accel.memory.estimate``).
+On CPU, with oneDNN off (as ``accel.course`` sets it), the allocator reports only when
+``TF_CPU_ALLOCATOR_USE_BFC=true`` was set before TensorFlow created its devices, at its first op
+(see ``accel.memory.estimate``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _current(device: str) -> int:
     except ValueError as exc:
         raise RuntimeError(
             f"TensorFlow reports no memory statistics for {device}: on CPU set "
-            "TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow is imported "
+            "TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow's first op "
             f"(now: {os.environ.get('TF_CPU_ALLOCATOR_USE_BFC', 'unset')}), then restart") from exc
 
 
@@ -134,9 +135,11 @@ def measure_conv_workspace(model, batch_size: int, policy: str = "float32") -> i
     it may measure an input gradient that a parallel branch would not need).
 
     Why measure: the scratch belongs to the kernel library, not to the model. TensorFlow's Eigen
-    kernels take ~``CPU_CONV_WORKSPACE`` whatever the shapes; oneDNN (TensorFlow's default on
-    CPUs with AVX-512 VNNI / BF16 or AMX) and cuDNN size theirs by shape and algorithm. Needs
-    memory statistics (on CPU: ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts).
+    kernels take ~``CPU_CONV_WORKSPACE`` whatever the shapes; oneDNN (TensorFlow's default in
+    its x86 Windows builds and on Linux CPUs with AVX-512 VNNI / BF16, AVX-VNNI or AMX, or ARM
+    Neoverse V1: ``DefaultOneDnnPolicy`` in tensorflow/core/util/port.cc) and cuDNN size theirs
+    by shape and algorithm. Needs memory statistics (on CPU: ``TF_CPU_ALLOCATOR_USE_BFC=true``
+    before TensorFlow's first op).
     """
     checks.positive_int("batch_size", batch_size)
     checks.one_of("policy", policy, POLICIES)

@@ -6,10 +6,15 @@ keeps every block's hidden activations for the backward pass; ``tf.recompute_gra
 each block's input and recomputes the rest during the backward pass (less memory, one more
 forward: a forward is about a third of forward + backward, so about 4/3 of the work).
 Half-precision compute stores each activation in half the bytes, but the step also keeps
-half-precision copies of the weights; on a CPU without native float16 / bfloat16 arithmetic it
-costs time instead of saving it. Steps are timed as ``tf.function``s (eager dispatch overhead
-would distort the ratios), the variants interleaved round by round, each variant's fastest round
-kept (the least disturbed by other load). Peaks need the BFC allocator on CPU (see
+half-precision copies of the weights. What it does to time depends on the kernels: TensorFlow's
+own CPU kernels (the course runs them: ``accel.course`` sets ``TF_ENABLE_ONEDNN_OPTS=0``) gain
+nothing from float16 / bfloat16, so the casts make the step slower, while oneDNN on a CPU with
+bfloat16 instructions (AVX-512 BF16, AMX) and GPUs' tensor cores run half precision faster (a
+one-thread 1024 x 1024 bfloat16 matmul, TF 2.21 on a Xeon with AMX: 7.5 ms with oneDNN, against
+18.8 ms in float32; 23.2 against 22.4 ms without oneDNN). ``measure_peaks`` measures memory
+only. Steps are timed as ``tf.function``s (eager dispatch overhead would distort the ratios), the
+variants interleaved round by round, each variant's fastest round kept (the least disturbed by
+other load). Peaks need the BFC allocator on CPU (see
 ``accel.memory.estimate``).
 """
 
@@ -25,8 +30,8 @@ from accel import checks, procs
 from accel.memory.estimate import MIB
 from accel.memory.measure import memory_device, peak_during
 
-__all__ = ["VARIANTS", "residual_mlp", "gradient_step", "measure_variants", "forward_seconds",
-           "measure_variants_anywhere", "ratios"]
+__all__ = ["VARIANTS", "residual_mlp", "gradient_step", "measure_variants", "measure_peaks",
+           "forward_seconds", "measure_variants_anywhere", "ratios"]
 
 # variant -> (compute dtype, recompute?)
 VARIANTS: dict[str, tuple[str, bool]] = {
@@ -89,6 +94,24 @@ def measure_variants(batch: int = 512, blocks: int = 8, width: int = 64, repeat:
             start = time.perf_counter()
             step()[0].numpy()
             out[name]["seconds"] = min(out[name]["seconds"], time.perf_counter() - start)
+    return out
+
+
+def measure_peaks(batch: int = 512, blocks: int = 8, width: int = 64,
+                  variants=tuple(VARIANTS)) -> dict[str, float]:
+    """``{variant: peak MiB}``: the allocator's peak above the level before one step of each
+    variant, measured as ``measure_variants`` measures it (a traced ``tf.function``, one call
+    first), without timing anything."""
+    for name in variants:
+        checks.one_of("variant", name, VARIANTS)
+    params = residual_mlp(blocks, width)
+    x = tf.constant(np.random.default_rng(1).normal(size=(batch, width)).astype(np.float32))
+    out = {}
+    for name in variants:
+        step = tf.function(lambda name=name: gradient_step(params, x, name))
+        step()[0].numpy()  # trace once
+        peak, _ = peak_during(lambda step=step: step()[0].numpy(), memory_device())
+        out[name] = peak / MIB
     return out
 
 

@@ -56,6 +56,25 @@ def test_04_exercise_1_fresh_process_measures_the_same_orders():
         assert round(course_memory._fresh_peak(step, seed) / 2**20) == mib
 
 
+def test_04_exercise_2_plan_fits():
+    """By hand, in units of s h = 16,777,216 bytes per sequence (the plans' table at batch 1):
+    keep everything 6208, selective 1248, full 258, sqrt(L) 1176. The B200 holds 180e9 bytes;
+    16 bytes x 6,648,303,616 parameters = 106,372,857,856 of states leave 73,627,142,144:
+    keep everything does not fit one sequence (104.2e9); selective fits 3 (62.8e9; 4 would
+    be 83.8e9) and adds the least work of the plans that fit (1/21 against 1/3)."""
+    assert course_memory.check_plan_fits(None) == "exercise 2: not answered yet"
+    assert course_memory.check_plan_fits(("selective", 3)).startswith(
+        "exercise 2: correct: 'selective' at micro-batch 3")
+    assert "fits a larger micro-batch" in course_memory.check_plan_fits(("selective", 2))
+    assert "more than the 180 GB" in course_memory.check_plan_fits(("selective", 4))
+    assert "more than the 180 GB" in course_memory.check_plan_fits(("keep everything", 1))
+    assert "less extra work" in course_memory.check_plan_fits(("full, every layer", 17))
+    for bad in ("selective", ("selective", 0), ("selective", True), ("remat", 1)):
+        assert "answer with a pair" in course_memory.check_plan_fits(bad)
+    with pytest.raises(ValueError, match="no plan fits one sequence on the NVIDIA H100 SXM"):
+        course_memory.check_plan_fits(("selective", 1), gpu="NVIDIA H100 SXM")
+
+
 def test_05_exercise_1_half_pays():
     # float32 keeps the two ReLU outputs: 2 * 512 * 4 = 4096 B per example. mixed_float16 keeps
     # them in float16 plus the float16 input (3 * 512 * 2 = 3072 B per example) and float16
@@ -150,6 +169,31 @@ def test_step_breakdown_counts_the_matmuls_by_hand(tmp_path):
     assert all(lane.startswith("thread ") for lane, *_ in parts["intervals"])
 
 
+def test_step_memory_timeline_by_hand(tmp_path):
+    """Batch 1024, width 128, 2 blocks: each plain forward block allocates a 1024 x 512 product
+    (2 MiB, its ReLU then writes in place) and a 1024 x 128 one (0.5 MiB, the residual add
+    writes in place), all kept for the backward pass; recomputation allocates each block's
+    products once more during the backward pass."""
+    plain = course_memory.step_memory_timeline(str(tmp_path / "p"), "plain", 1024, 2, 128)
+    forward = [e for e in plain if e.op in ("MatMul", "MatMul_1", "MatMul_2", "MatMul_3")]
+    assert [e.requested for e in forward] == [2 * 2**20, 2**19, 2 * 2**20, 2**19]
+    # ReLU and the residual add write into their input's buffer: no allocation of their own
+    assert not [e for e in plain if e.op.startswith(("Relu", "add"))]
+    assert all(a.time <= b.time for a, b in zip(plain, plain[1:], strict=False))
+    recomputed = course_memory.step_memory_timeline(str(tmp_path / "r"), "recompute", 1024, 2,
+                                                    128)
+    products = [e for e in recomputed if e.requested == 2 * 2**20 and "gradient_tape" not in e.op]
+    assert len(products) == 4  # 2 forward + 2 rebuilt
+    assert course_memory._backward_start(plain) is not None
+    import matplotlib.pyplot as plt
+
+    fig = course_memory.figure_memory_timeline({"plain": plain, "recompute": recomputed})
+    (ax,) = fig.axes
+    assert [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")] \
+        == ["plain", "recompute"]
+    plt.close(fig)
+
+
 def test_transformer_memory_against_hand_counts():
     """GPT-3 6.7B's shape (32 layers, hidden 4096, 32 heads), sequence 4096, batch 1. Model
     states: 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter (ZeRO, section 3.1: 2 + 2 + 12).
@@ -171,6 +215,11 @@ def test_transformer_memory_against_hand_counts():
     assert flash["activations"] == 32 * 570_425_344
     assert course_memory.transformer_memory(params, 32, 4096, 32, 4096, batch=2)[
         "activations"] == 2 * out["activations"]
+    megatron = course_memory.transformer_memory(params, 32, 4096, 32, 4096,
+                                                state_bytes=course_memory.MEGATRON_BF16_BYTES)
+    assert megatron["model states"] == 18 * params  # 2 + 4 + 4 + 4 + 4, fp32 main gradients
+    assert megatron["main gradients (fp32)"] == 4 * params
+    assert megatron["activations"] == out["activations"]
     with pytest.raises(ValueError, match="hidden .4096. must be a multiple of heads .3."):
         course_memory.transformer_memory(params, 32, 4096, 3, 4096)
     with pytest.raises(ValueError, match="params must be"):

@@ -218,6 +218,18 @@ def test_measure_variants_recompute_saves_memory():
     assert res["float16"]["peak_mib"] < res["plain"]["peak_mib"]
 
 
+def test_measure_peaks_at_least_what_the_plain_step_keeps():
+    """Batch 256, width 64, 4 blocks: the plain step keeps each block's input (256 x 64) and
+    hidden ReLU output (256 x 256), 4 x (64 + 256) KiB = 1.25 MiB of float32; recomputation
+    keeps the 4 inputs and rebuilds one block at a time."""
+    peaks = memory_savings.measure_peaks(batch=256, blocks=4, width=64,
+                                         variants=("plain", "recompute"))
+    assert set(peaks) == {"plain", "recompute"}
+    assert peaks["plain"] >= 1.25 and peaks["recompute"] < peaks["plain"]
+    with pytest.raises(ValueError, match="variant must be one of .* got 'int8'"):
+        memory_savings.measure_peaks(batch=8, blocks=1, width=4, variants=("int8",))
+
+
 def test_forward_seconds_times_the_plain_forward():
     assert memory_savings.forward_seconds(batch=16, blocks=2, width=8, repeat=1) > 0
     with pytest.raises(ValueError):
