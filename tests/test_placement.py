@@ -309,26 +309,3 @@ def test_short_error_is_reproducible():
     assert text.startswith("InvalidArgumentError: No OpKernel was registered")
     assert "with these attrs: [T=DT_UINT8, grad_a=false, grad_b=false" in text
     assert "Detected at node" not in text and "File " not in text
-
-
-# ----------------------------------------------------------------------------- chapter 02's figure
-def test_figure_placement_counts_what_it_draws(four_devices):
-    """One arrow per pair of devices, labelled with the tensors it carries; the title counts the
-    boxes drawn (the hidden _Retval left out) and every copy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from accel.course import diagrams
-
-    table = diagrams.demo_placement()
-    fig = diagrams.figure_placement(table)
-    ax = fig.axes[0]
-    drawn = len([r for r in table if r.op_type != "_Retval"])
-    assert ax.get_title() == (f"{drawn} ops drawn on 3 devices (_Retval not drawn), "
-                              f"{len(table.transfers)} copies")
-    assert len(table.transfers) == 3
-    labels = sorted(t.get_text() for t in ax.texts if t.get_color() == "#C44E52")
-    assert labels == ["a, b", "c"]  # a and b share the CPU:0 -> CPU:1 arrow
-    plt.close(fig)

@@ -52,3 +52,25 @@ def test_every_image_is_drawn_by_code():
     registered = set(registry.FIGURES)
     assert not measured & registered
     assert {p.name for p in (ROOT / "images").glob("*.png")} <= measured | registered
+
+
+def test_figure_placement_counts_what_it_draws(four_devices):
+    """One arrow per pair of devices, labelled with the tensors it carries; the title counts the
+    boxes drawn (the hidden _Retval left out) and every copy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from accel.course import diagrams
+
+    table = diagrams.demo_placement()
+    fig = diagrams.figure_placement(table)
+    ax = fig.axes[0]
+    drawn = len([r for r in table if r.op_type != "_Retval"])
+    assert ax.get_title() == (f"{drawn} ops drawn on 3 devices (_Retval not drawn), "
+                              f"{len(table.transfers)} copies")
+    assert len(table.transfers) == 3
+    labels = sorted(t.get_text() for t in ax.texts if t.get_color() == "#C44E52")
+    assert labels == ["a, b", "c"]  # a and b share the CPU:0 -> CPU:1 arrow
+    plt.close(fig)

@@ -121,3 +121,171 @@ def test_check_cache_placement():
     assert "not quite" in ip.check_cache_placement(lambda b, d, a: b.cache().map(d).map(a))
     assert "batches, expected 4 each" in ip.check_cache_placement(
         lambda b, d, a: b.map(d).cache().map(a).take(2))
+
+
+def test_check_compute_bound_accepts_a_thread_pool_of_the_maps_own():
+    base, decode = _base()
+    unbounded = base.map(decode, num_parallel_calls=8, use_unbounded_threadpool=True)
+    assert "correct: 8 decodes" in ip.check_compute_bound(unbounded, 0.007, cores=2)
+    assert "2 decode(s) run at once" in ip.check_compute_bound(
+        base.map(decode, num_parallel_calls=8), 0.007, cores=2)
+
+
+def test_decode_map_uses_a_sequence_of_delays_in_turn(monkeypatch):
+    slept = []
+    monkeypatch.setattr(ip.time, "sleep", slept.append)
+    x, y, _ = datasets.regression(6 * 4, 4, seed=0)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).map(ip.decode_map([0.0, 0.5, 0.25]))
+    for _batch in ds:
+        pass
+    assert slept == [0.0, 0.5, 0.25, 0.0, 0.5, 0.25]
+    with pytest.raises(ValueError, match="empty sequence"):
+        ip.decode_map([])
+    with pytest.raises(ValueError, match="delay_s must be"):
+        ip.decode_map([0.1, -0.1])
+
+
+def test_compute_map_matches_numpy():
+    x, y, _ = datasets.regression(16, 8, seed=0)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).map(ip.compute_map(3, 8, seed=4))
+    z, y_out = next(iter(ds))
+    w = np.random.default_rng(4).standard_normal((8, 8)) / np.sqrt(8)
+    ref = np.asarray(x, np.float64)
+    for _ in range(3):
+        ref = np.tanh(ref @ w)
+    np.testing.assert_allclose(z.numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    np.testing.assert_array_equal(y_out.numpy(), y)
+    with pytest.raises(ValueError, match="rounds must be"):
+        ip.compute_map(0, 8)
+    with pytest.raises(ValueError, match="built for 8 features"):
+        tf.data.Dataset.from_tensor_slices((x[:, :4], y)).batch(4).map(ip.compute_map(1, 8))
+
+
+def _finalized_chain(ds):
+    """The same chain by another route: the graph of the dataset tf.data finalizes for an
+    iterator (tf.raw_ops.FinalizeDataset applies the rewrites), with tf.data's own wrappers
+    (Root, model, threading) left out and the op names as the trace writes them."""
+    finalized = tf.raw_ops.FinalizeDataset(
+        input_dataset=ds._variant_tensor,
+        output_types=[s.dtype for s in tf.nest.flatten(ds.element_spec)],
+        output_shapes=[s.shape for s in tf.nest.flatten(ds.element_spec)])
+    graph = tf.compat.v1.GraphDef.FromString(
+        tf.raw_ops.DatasetToGraphV2(input_dataset=finalized).numpy())
+    nodes = {n.name: n for n in graph.node}
+    node = nodes[next(n for n in graph.node if n.op == "_Retval").input[0]]
+    chain = []
+    while "Dataset" in node.op:
+        if node.op not in ("ModelDataset", "MaxIntraOpParallelismDataset",
+                           "PrivateThreadPoolDataset", "OptionsDataset"):
+            chain.append(node.op.replace("Dataset", ""))
+        node = nodes[node.input[0].split(":")[0]]
+    return chain
+
+
+def test_iterator_chain_shows_the_rewrites():
+    x, y, _ = datasets.regression(64, 8, seed=0)
+    rows = tf.data.Dataset.from_tensor_slices((x, y))
+    base = rows.batch(8)
+    off, no_autotune = tf.data.Options(), tf.data.Options()
+    off.experimental_optimization.map_parallelization = False
+    no_autotune.autotune.enabled = False
+    cases = {  # the pipeline as written -> the chain that runs (TF 2.21's defaults)
+        "stateless map": (base.map(ip.compute_map(1, 8)),
+                          ["ParallelMapV2", "BatchV2", "TensorSlice"]),
+        "py_function map": (base.map(ip.decode_map(0.0)),
+                            ["Prefetch", "Map", "BatchV2", "TensorSlice"]),
+        "synchronous": (base.map(ip.compute_map(1, 8), synchronous=True),
+                        ["Prefetch", "Map", "BatchV2", "TensorSlice"]),
+        "option off": (base.map(ip.compute_map(1, 8)).with_options(off),
+                       ["Prefetch", "Map", "BatchV2", "TensorSlice"]),
+        "autotune off": (base.map(ip.compute_map(1, 8)).with_options(no_autotune),
+                         ["Map", "BatchV2", "TensorSlice"]),
+        "map then batch": (rows.map(lambda a, b: (2.0 * a, b)).batch(8),
+                           ["MapAndBatch", "TensorSlice"]),
+        "cache": (base.map(ip.decode_map(0.0)).cache().prefetch(1),
+                  ["Prefetch", "MemoryCacheImpl", "Map", "BatchV2", "TensorSlice"]),
+        "interleave": (tf.data.Dataset.range(4).interleave(
+            lambda i: base.map(ip.decode_map(0.0)), cycle_length=4),
+            ["Prefetch", "Interleave", "Range"]),  # the outer pipeline only
+        "parallel interleave": (tf.data.Dataset.range(4).interleave(
+            lambda i: base, cycle_length=4, num_parallel_calls=4),
+            ["ParallelInterleaveV4", "Range"]),
+    }
+    for name, (ds, expected) in cases.items():
+        assert ip.iterator_chain(ds) == expected, name
+        if name != "cache":  # the graph names the cache CacheV2, the trace its implementation
+            assert _finalized_chain(ds) == expected, name
+    with pytest.raises(ValueError, match="expected a tf.data.Dataset"):
+        ip.iterator_chain([1, 2])
+
+
+def test_iterator_chain_refuses_while_a_profiler_runs(tmp_path):
+    base, _ = _base()
+    tf.profiler.experimental.start(str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="already running"):
+            ip.iterator_chain(base)
+    finally:
+        tf.profiler.experimental.stop()
+
+
+def test_measure_input_times_named_pipelines_alone(four_devices):
+    x, y, _ = datasets.regression(16 * 3, 8, seed=0)
+    feeds = ip.pipelines(x, y, 16, 0.0)
+    res = ip.measure_input(feeds, x, y, 16, four_devices[0], hidden=(8,), steps=2, warmup=1,
+                           rounds=1, alone=["map + prefetch", "map"])
+    assert list(res["seconds"])[:3] == ["compute", "map + prefetch alone", "map alone"]
+    assert "input alone" not in res["seconds"]
+    with pytest.raises(ValueError, match="alone must name pipelines"):
+        ip.measure_input(feeds, x, y, 16, four_devices[0], alone=["nope"])
+
+
+def test_read_shards_reads_every_record_in_interleaved_order(tmp_path):
+    from accel.parallel import inputs
+
+    x, y, _ = datasets.regression(4 * 40, 2, seed=0)
+    files = inputs.write_tfrecords(x, y, tmp_path, num_files=4)
+    names = tf.data.Dataset.from_tensor_slices(files)
+    chunks = list(names.interleave(ip.read_shards(0.0, records_per_read=16), cycle_length=4,
+                                   num_parallel_calls=4))
+    # 40 records per file: reads of 16, 16, 8 from each file, files in turn
+    assert [len(c) for c in chunks] == [16] * 8 + [8] * 4
+    records = np.concatenate([c.numpy() for c in chunks])
+    by_file = [list(tf.data.TFRecordDataset(f).as_numpy_iterator()) for f in files]
+    expected = [r for start, size in ((0, 16), (16, 16), (32, 8)) for f in by_file
+                for r in f[start:start + size]]
+    assert records.tolist() == expected
+    assert set(ip.time_passes({"a": names}, rounds=1)) == {"a"}
+    with pytest.raises(ValueError, match="datasets is empty"):
+        ip.time_passes({})
+
+
+def test_local_data_service_shards_and_stops():
+    import socket
+
+    service = tf.data.experimental.service
+    ds = tf.data.Dataset.range(12)
+    with ip.local_data_service(workers=2) as target:
+        off = sorted(int(v) for v in ds.apply(service.distribute(
+            service.ShardingPolicy.OFF, service=target)))
+        dynamic = sorted(int(v) for v in ds.apply(service.distribute(
+            service.ShardingPolicy.DYNAMIC, service=target)))
+    assert off == sorted(list(range(12)) * 2)  # every worker runs the whole dataset
+    assert dynamic == list(range(12))  # the dispatcher hands each split to one worker
+    port = int(target.rsplit(":", 1)[1])
+    with socket.socket() as s:  # the dispatcher's port is free again: it was stopped
+        s.bind(("localhost", port))
+    with pytest.raises(ValueError, match="workers must be"):
+        with ip.local_data_service(workers=0):
+            pass
+
+
+def test_check_parallel_maps():
+    assert "not answered yet" in ip.check_parallel_maps(None)
+    assert "should be a dict" in ip.check_parallel_maps({"scale": True})
+    # the solution: only stateless functions are rewritten (map_parallelization.cc skips
+    # stateful ones: tf.random.uniform and tf.print are stateful, stateless_uniform is not)
+    solution = {"scale": True, "augment": False, "seeded augment": True, "logged": False}
+    assert "correct" in ip.check_parallel_maps(solution)
+    wrong = dict(solution, logged=True)
+    assert "disagrees with you on ['logged']" in ip.check_parallel_maps(wrong)
