@@ -181,19 +181,22 @@ class OpRun:
     thread: str = ""
 
 
-def op_runs(path: str, plane: str = "/host:CPU") -> list[OpRun]:
-    """The op executions of an ``*.xplane.pb`` trace on ``plane`` (the TensorFlow executor's
-    events are named ``"<op name>:<op type>"``), earliest first: a line's events are offsets
-    from its own start, so each is placed on the trace's one clock by the line's timestamp."""
+def _planes(path: str, plane: str) -> list:
+    """The planes named ``plane`` of the ``*.xplane.pb`` trace at ``path``."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     space = xplane_pb2.XSpace()
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
+    return [pl for pl in space.planes if pl.name == plane]
+
+
+def op_runs(path: str, plane: str = "/host:CPU") -> list[OpRun]:
+    """The op executions of an ``*.xplane.pb`` trace on ``plane`` (the TensorFlow executor's
+    events are named ``"<op name>:<op type>"``), earliest first: a line's events are offsets
+    from its own start, so each is placed on the trace's one clock by the line's timestamp."""
     runs = []
-    for pl in space.planes:
-        if pl.name != plane:
-            continue
+    for pl in _planes(path, plane):
         for line in pl.lines:
             for ev in line.events:
                 name = pl.event_metadata[ev.metadata_id].name
@@ -289,15 +292,8 @@ def memory_timeline(path: str, plane: str = "/host:CPU") -> list[MemoryEvent]:
     and ``tf_op``): what
     TensorBoard's memory profile tool draws. On a CPU only the BFC allocator records them
     (``TF_CPU_ALLOCATOR_USE_BFC=true``); an empty list means no allocator reported."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as f:
-        space.ParseFromString(f.read())
     raw = []
-    for pl in space.planes:
-        if pl.name != plane:
-            continue
+    for pl in _planes(path, plane):
         names = {k: v.name for k, v in pl.stat_metadata.items()}
         for line in pl.lines:
             for ev in line.events:
