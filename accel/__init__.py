@@ -53,7 +53,7 @@ collectives  accel.collectives.base (11-15)   checks, one value per device, coll
              accel.collectives.packing (13)   buckets of small gradients, float16 compression
 parallel     accel.parallel.staleness (06)     the server's decision rules, records, staleness
              accel.parallel.parameter_server   parameter server + worker threads (06)
-             accel.parallel.hogwild (06)       lock-free workers; lost updates counted
+             accel.parallel.hogwild (06)       lock-free workers: reads may mix versions
              accel.parallel.data (07)          data parallelism by hand: the towers recipe
              accel.parallel.mirrored (07)      the same with MirroredStrategy
              accel.parallel.strategies (14)    strategies by name, one custom loop for all

@@ -5,6 +5,8 @@ next to the measured and ideal throughput ratios, the measured figures and the e
 
 from __future__ import annotations
 
+import contextlib
+import io
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -19,7 +21,7 @@ from accel.training import squared_error
 __all__ = ["toy_problem", "bench_sync_async", "cycle_times", "explain_ratios", "figure_race",
            "figure_time_to_target", "figure_staleness", "STRAGGLER_STALENESS", "MOMENTUM_DELAYS",
            "MOMENTUM_LARGEST_DELAY", "check_exercise", "RACE_METHODS",
-           "race_increments"]
+           "ROW", "race_increments"]
 
 
 def toy_problem(n: int = 768, features: int = 8, hidden: int = 16, seed: int = 0) -> dict:
@@ -32,14 +34,23 @@ def toy_problem(n: int = 768, features: int = 8, hidden: int = 16, seed: int = 0
 
 def bench_sync_async(device_names: Sequence[str], quick: bool = False, repeats: int = 5,
                      step_time: float = 0.1, factor: float = 4.0, target_loss: float = 0.5,
-                     learning_rate: float = 0.03) -> dict:
+                     learning_rate: float = 0.03, explain: bool = True) -> dict:
     """``python -m accel bench sync-async``: time to a target loss of sync, async (with the
     server's lock) and K of N (K = N - 1), with equal workers and with one worker ``factor``
     times slower, as medians of ``repeats`` interleaved repetitions with their min-max spread
     and ratios to sync taken within each repetition (``parameter_server.race_to_target``: the
-    same warm-up and clock for every variant). Then the harness's own time per round and the
-    throughput ratios it explains (``explain_ratios``, on the last repetition's runs) and this
-    machine's ceiling.
+    same warm-up and clock for every variant). Then, with ``explain`` (the default, as
+    ``python -m accel bench sync-async`` runs it), the harness's own time per round and the
+    throughput ratios it explains (``explain_ratios``, on the last repetition's runs); always
+    this machine's ceiling. Chapter 06 passes ``explain=False``: ``times`` is still returned.
+
+    How to read the seconds: the compute is a sleep, so a round of sync costs the padded step
+    plus the harness's own time (barrier, averaging, the update, thread wake-ups, and the
+    full-data loss that ``target_loss`` evaluates under the server's lock after every update:
+    async pays that evaluation once per gradient, sync once per N gradients). That fixed
+    per-update cost moves the measured ratios away from the ideal ones (async 1, a straggler
+    ``factor`` times slower: sync ``factor``, async ``N / (N - 1 + 1 / factor)``, K of N
+    ``N / K``) and dilutes the straggler's slowdown in sync's rounds.
 
     ps on the first device, workers on the others, ``toy_problem()``; the full-data loss is
     evaluated after every update, and a run stops at the first one at or below
@@ -47,7 +58,7 @@ def bench_sync_async(device_names: Sequence[str], quick: bool = False, repeats: 
     and K of N scale it with their batch (linear scaling, as chapter 06's fair race). Every
     step is padded to ``step_time`` seconds (100 ms: the harness's own time per round, a few
     ms on two shared cores, stays a small share; chapter 06 uses 30 ms to fit its time, where
-    the share is larger and printed). ``quick``: one repetition of 10 ms steps, only to check
+    the share is larger). ``quick``: one repetition of 10 ms steps, only to check
     that it works. Returns ``summary`` (per variant: ``median``, ``min``, ``max`` seconds,
     ``ratio`` to sync, median ``updates``, ``examples``, ``gradients``, ``dropped``,
     ``reached``), ``hits`` (every repetition's ``TargetHit``), ``runs`` (the last
@@ -84,8 +95,12 @@ def bench_sync_async(device_names: Sequence[str], quick: bool = False, repeats: 
               + ("" if row["reached"] == repeats else
                  f"   reached in {row['reached']} of {repeats}"))
     runs = {name: results[-1] for name, results in race["runs"].items()}
-    print()
-    times = explain_ratios(runs, n=n, factor=factor, step_time=step_time)
+    if explain:
+        print()
+        times = explain_ratios(runs, n=n, factor=factor, step_time=step_time)
+    else:
+        with contextlib.redirect_stdout(io.StringIO()):
+            times = explain_ratios(runs, n=n, factor=factor, step_time=step_time)
     measured = timing.measure_ceiling()
     print(timing.ceiling_line(measured))
     return {"summary": race["summary"], "hits": race["hits"], "runs": runs, "times": times,
@@ -265,32 +280,55 @@ def check_exercise(number: int, answer) -> str:
     return "exercise 3: not quite: how many steps does a fast worker finish in 4 step times?"
 
 
-RACE_METHODS = ("read_then_assign", "apply", "apply_locked")
+RACE_METHODS = ("read_then_assign", "apply", "apply_locked", "sparse_apply",
+                "sparse_apply_locked")
+ROW = 64  # elements per row of the table the sparse methods update
 
 
 def race_increments(device: str, method: str = "apply", threads: int = 3, repeats: int = 100,
                     size: int = 1 << 16) -> dict[str, float]:
-    """``threads`` threads each add 1 to every element of one shared float32 vector of ``size``
-    elements on ``device``, ``repeats`` times, without any Python lock. ``method``:
-    ``read_then_assign`` reads the vector, adds 1 and assigns the result (two ops: another
-    thread's addition between them is overwritten); ``apply`` uses one
-    ``ResourceApplyGradientDescent`` with ``use_locking=False`` (TensorFlow's default: the
-    variable's lock is shared, concurrent updates may interleave; TensorFlow calls the result
-    undefined); ``apply_locked`` the same op with ``use_locking=True`` (exclusive lock). Returns
-    ``expected`` (each element's value if no addition was lost), ``lowest`` (the smallest
-    element) and ``lost`` (missing additions, averaged over the elements)."""
+    """``threads`` threads each add 1 to every element of one shared float32 variable of ``size``
+    elements on ``device`` (a table of ``size / 64`` rows of 64), ``repeats`` times, without
+    any Python lock. ``method``:
+
+    * ``read_then_assign`` reads the variable, adds 1 and assigns the result: two ops, and
+      another thread's addition between them is overwritten.
+    * ``apply`` / ``apply_locked``: one dense ``ResourceApplyGradientDescent`` with
+      ``use_locking`` False / True. A dense update of a resource variable takes the variable's
+      exclusive lock whatever ``use_locking`` says (``ApplyGradientDescentOp`` in
+      ``tensorflow/core/kernels/training_ops.cc`` passes ``sparse = false`` to
+      ``MaybeLockVariableInputMutexesInOrder``, ``training_op_helpers.h``, which takes a
+      ``mutex_lock`` when ``!sparse || do_lock``): nothing is lost either way.
+    * ``sparse_apply`` / ``sparse_apply_locked``: one
+      ``ResourceSparseApplyProximalGradientDescent`` on every row (``l1 = l2 = 0``: plain SGD
+      on the rows), ``use_locking`` False / True. A sparse update takes only a shared lock
+      unless ``use_locking=True``, so two threads can update the same rows at once and one
+      addition can overwrite another: Hogwild's race, on an embedding table.
+
+    Returns ``expected`` (each element's value if no addition was lost), ``lowest`` (the
+    smallest element) and ``lost`` (missing additions, averaged over the elements)."""
     checks.one_of("method", method, RACE_METHODS)
     checks.positive_int("threads", threads)
     checks.positive_int("repeats", repeats)
     checks.positive_int("size", size)
+    sparse = method.startswith("sparse")
+    if sparse and size % ROW:
+        raise ValueError(f"size must be a multiple of {ROW} for {method!r} (rows of {ROW}), "
+                         f"got {size}")
+    shape = [size // ROW, ROW] if sparse else [size]
     with tf.device(device):
-        var = tf.Variable(tf.zeros(size))
-        minus_one, one = tf.fill([size], -1.0), tf.constant(1.0)
+        var = tf.Variable(tf.zeros(shape))
+        minus_one, one, zero = tf.fill(shape, -1.0), tf.constant(1.0), tf.constant(0.0)
+        rows = tf.range(shape[0])
 
     def work():
         for _ in range(repeats):
             if method == "read_then_assign":
                 var.assign(var.read_value() + one)
+            elif sparse:
+                tf.raw_ops.ResourceSparseApplyProximalGradientDescent(
+                    var=var.handle, alpha=one, l1=zero, l2=zero, grad=minus_one, indices=rows,
+                    use_locking=method == "sparse_apply_locked")
             else:
                 tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=one,
                                                         delta=minus_one,

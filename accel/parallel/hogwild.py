@@ -3,13 +3,21 @@ missing lock lets happen.
 
 ``accel.parallel.parameter_server``'s ``async`` mode reads and updates the parameters under the
 server's lock, one gradient at a time (asynchronous SGD as in Downpour SGD, Dean et al. 2012).
-Here nobody holds a lock around the parameters: each worker thread reads the variables, computes
-its gradient and applies it itself with ``ResourceApplyGradientDescent`` (``use_locking=False``,
-TensorFlow's default), while other workers read and write the same variables. A read may then see
-some variables before and others after another worker's update, and two updates may interleave.
-A small bookkeeping lock guards only Python counters and records, never a TensorFlow op.
+Here no Python lock is held around the parameters: each worker thread reads the variables,
+computes its gradient and applies it itself with ``ResourceApplyGradientDescent`` (one op per
+variable), while other workers read and write the same variables.
 
-Chapter 06 counts the lost updates directly (``accel.course.sync_async.race_increments``).
+What TensorFlow still guarantees: each op on one resource variable is atomic. A dense update
+takes the variable's exclusive lock whatever ``use_locking`` says (``ApplyGradientDescentOp``,
+``tensorflow/core/kernels/training_ops.cc``, passes ``sparse = false`` to
+``MaybeLockVariableInputMutexesInOrder``, ``training_op_helpers.h``); ``ReadVariableOp`` takes a
+shared lock, and an update copies the buffer first while a read still holds it
+(``PrepareToUpdateVariable``). So two updates of one variable never interleave and an additive
+SGD update is never lost; what the missing lock allows is a read of the model that mixes
+versions across variables (one layer before another worker's update, the next after it). The
+element-level race of Hogwild's paper needs sparse updates without ``use_locking``:
+``accel.course.sync_async.race_increments`` counts it. A small bookkeeping lock guards only
+Python counters and records, never a TensorFlow op.
 """
 
 from __future__ import annotations

@@ -115,24 +115,53 @@ def test_figures_build(four_devices):
     plt.close(fig)
 
 
-def test_locked_increments_lose_nothing(four_devices):
-    """With use_locking=True every one of threads x repeats additions survives (hand count)."""
-    race = sync_async.race_increments(four_devices[0], "apply_locked", threads=3, repeats=20,
-                                   size=1 << 12)
+@pytest.mark.parametrize("method", ["apply", "apply_locked", "sparse_apply_locked"])
+def test_exclusive_lock_loses_nothing(four_devices, method):
+    """A dense update takes the variable's exclusive lock whatever use_locking says
+    (training_ops.cc: ApplyGradientDescentOp passes sparse=false), and a sparse one with
+    use_locking=True: every one of threads x repeats additions survives (hand count)."""
+    race = sync_async.race_increments(four_devices[0], method, threads=3, repeats=20,
+                                      size=1 << 12)
     assert race == {"expected": 60, "lowest": 60.0, "lost": 0.0}
 
 
-@pytest.mark.parametrize("method", ["apply", "read_then_assign"])
+@pytest.mark.parametrize("method", ["sparse_apply", "read_then_assign"])
 def test_unlocked_increments_lose_at_most_what_was_sent(four_devices, method):
     race = sync_async.race_increments(four_devices[0], method, threads=3, repeats=20, size=1 << 12)
     assert race["expected"] == 60 and 0 <= race["lost"] < 60
     assert 1 <= race["lowest"] <= 60
 
 
-def test_one_thread_never_loses_an_increment(four_devices):
-    race = sync_async.race_increments(four_devices[0], "read_then_assign", threads=1, repeats=7,
-                                   size=16)
+@pytest.mark.parametrize("method", ["read_then_assign", "sparse_apply"])
+def test_one_thread_never_loses_an_increment(four_devices, method):
+    race = sync_async.race_increments(four_devices[0], method, threads=1, repeats=7, size=128)
     assert race == {"expected": 7, "lowest": 7.0, "lost": 0.0}
+
+
+def test_sparse_race_needs_whole_rows(four_devices):
+    with pytest.raises(ValueError, match="multiple of 64"):
+        sync_async.race_increments(four_devices[0], "sparse_apply", size=100)
+
+
+def test_the_chapters_decision_rule_is_the_librarys():
+    """Chapter 06 writes the server's decision by hand (the cell defining ``decide``); it must
+    agree with ``staleness.server_decision`` on every case of a small grid."""
+    import itertools
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).parents[2] / "chapters/06_sync_vs_async.ipynb").read_text())
+    (source,) = ["".join(c["source"]) for c in nb["cells"]
+                 if c["cell_type"] == "code" and "".join(c["source"]).startswith("def decide(")]
+    scope = {}
+    exec(source, scope)
+    decide = scope["decide"]
+    for mode, read, held, k, cap in itertools.product(("sync", "k_of_n", "async"), range(4),
+                                                      range(3), (1, 2, 3), (None, 0, 2)):
+        if held >= k or (cap is not None and mode != "async"):
+            continue
+        want = staleness.server_decision(mode, 3, read, held, k, cap)
+        assert decide(mode, 3, read, held, k, cap) == want, (mode, read, held, k, cap)
 
 
 def test_time_to_target_figure_draws_the_summary():
