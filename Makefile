@@ -10,9 +10,11 @@ LAB_ARGS ?=
 # JupyterLab refuses to start as root (containers, cloud boxes) unless told it is deliberate
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NBVAL  := --nbval --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout 120
-# tests and chapters run on JOBS pytest-xdist workers; a file (a notebook) stays on one worker,
+# tests and chapters run on JOBS pytest-xdist workers (3 on 2 cores: many tests wait on child
+# processes, sleeps or timeouts, and a third worker fills that idle time); a file (a notebook)
+# stays on one worker,
 # and each worker takes its TCP ports from its own range (conftest.py)
-JOBS   ?= 2
+JOBS   ?= 3
 XDIST  := -n $(JOBS) --dist loadfile
 # `make execute` stores outputs only when 1-thread / 2-thread matmul time is at least this
 CEILING_MIN ?= 1.3
@@ -36,7 +38,7 @@ lab: $(STAMP)  ## open JupyterLab on chapters/ (headless: make lab LAB_ARGS="--n
 	$(BIN)/jupyter lab --notebook-dir=chapters $(LAB_ROOT) $(LAB_ARGS)
 
 # chapters first: the longest files start first and the many short test files fill the end, so
-# the two workers finish together
+# the workers finish together
 test: lint  ## ruff, then the unit tests and every chapter re-run and compared by nbval
 	$(BIN)/python -m pytest -q $(XDIST) $(NBVAL) $(NB) tests
 

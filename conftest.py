@@ -1,5 +1,5 @@
-"""Project-wide pytest hooks: how nbval compares the chapters, and what keeps two pytest-xdist
-workers (``make test`` runs two) out of each other's way and busy to the end."""
+"""Project-wide pytest hooks: how nbval compares the chapters, and what keeps the pytest-xdist
+workers (``make test`` runs three) out of each other's way and busy to the end."""
 
 import os
 
@@ -11,7 +11,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 # Each xdist worker (gw0, gw1, ...) and everything it starts (cluster processes, notebook
-# kernels) picks TCP ports from its own range, so two workers never choose the same free port
+# kernels) picks TCP ports from its own range, so no two workers choose the same free port
 # between choosing and binding it (accel.distributed.cluster.free_ports). The ranges lie below
 # Linux's ephemeral ports (32768+), which the OS hands to outgoing connections.
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "")
@@ -25,7 +25,7 @@ def pytest_collectstart(collector):
         collector.skip_compare += ("stderr",)
 
 def pytest_collection_modifyitems(config, items):
-    """For ``pytest -n 2 --dist loadfile`` (a file's tests, a notebook's cells, stay on one
+    """For ``pytest -n 3 --dist loadfile`` (a file's tests, a notebook's cells, stay on one
     worker, in order): files holding multi-process tests, and notebooks, go first, so the long
     ones start early and short ones fill in at the end. (``--dist loadgroup`` would allow
     groups across files, but pytest-xdist 3.8 stops grouping under pytest 9.2's node ids:

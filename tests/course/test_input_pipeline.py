@@ -274,6 +274,9 @@ def test_local_data_service_shards_and_stops():
     assert dynamic == list(range(12))  # the dispatcher hands each split to one worker
     port = int(target.rsplit(":", 1)[1])
     with socket.socket() as s:  # the dispatcher's port is free again: it was stopped
+        # its closed connections may linger in TIME_WAIT, which SO_REUSEADDR lets a bind pass;
+        # a listener still bound to the port would fail the bind all the same
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("localhost", port))
     with pytest.raises(ValueError, match="workers must be"):
         with ip.local_data_service(workers=0):
