@@ -8,7 +8,6 @@ recomputation, and the exercise checks (each returns "exercise N: not answered y
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -22,8 +21,8 @@ from accel.memory.savings import gradient_step, measure_variants_anywhere, resid
 from accel.memory.savings import ratios as variant_ratios
 from accel.timing import format_ratios
 
-__all__ = ["bench_memory", "figure_memory", "process_threads", "process_rss", "two_chains",
-           "overlapping_pairs", "step_breakdown", "step_memory_timeline",
+__all__ = ["bench_memory", "process_threads", "process_rss", "two_chains",
+           "overlapping_pairs", "step_memory_timeline",
            "figure_memory_timeline", "MIXED_ADAM_BYTES", "MEGATRON_BF16_BYTES",
            "transformer_memory", "recomputation_plans", "check_one_buffer", "check_plan_fits",
            "check_half_pays", "check_overflow_steps", "check_xla_compilations"]
@@ -42,25 +41,6 @@ def bench_memory(device_names: Sequence[str] = (), quick: bool = False) -> dict:
     for name, r in ratios.items():
         print(f"{name:10s} peak {results[name]['peak_mib']:7.2f} MiB  {r['peak_mib']:5.2f}x plain")
     return {"results": results, "ratios": ratios}
-
-
-def figure_memory(results: dict[str, dict[str, float]]):
-    """The measured peak-memory and step-time ratios of recomputation and half precision to the
-    plain step (``results`` of ``accel.memory.savings.measure_variants``)."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    ratios = variant_ratios(results)
-    xs = np.arange(len(ratios))
-    ax.bar(xs - 0.2, [r["peak_mib"] for r in ratios.values()], 0.4, label="peak memory")
-    ax.bar(xs + 0.2, [r["seconds"] for r in ratios.values()], 0.4, label="step time")
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(xs, list(ratios))
-    ax.set_ylabel("ratio to plain (measured, CPU)")
-    ax.set_title("residual MLP step, tf.function")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
 
 
 def process_threads() -> int:
@@ -109,46 +89,6 @@ def overlapping_pairs(session, fetches) -> int:
                 spans[scope].append((start, start + node.all_end_rel_micros))
     return sum(min(a1, b1) > max(a0, b0)
                for a0, a1 in spans["chain0"] for b0, b1 in spans["chain1"])
-
-
-def step_breakdown(logdir: str, batch: int = 1024, blocks: int = 8, width: int = 128,
-                   repeat: int = 3) -> dict:
-    """One traced plain step of ``accel.memory.savings``' residual MLP read back from a profiler
-    trace (``accel.profile.op_runs``), by its matmuls (nearly all of its work): the forward's
-    and the backward's summed matmul times (``forward_work_ms``, ``backward_work_ms``), their
-    wall times (``forward_ms``: the first matmul to the first backward matmul; ``backward_ms``:
-    from there to the last matmul), and ``intervals``, each thread's matmuls for
-    ``accel.viz.timeline`` (labelled forward or backward). Of ``repeat`` traced steps, the
-    fastest (interference only adds time)."""
-    params = residual_mlp(blocks, width)
-    x = tf.constant(np.random.default_rng(1).normal(size=(batch, width)).astype(np.float32))
-    step = tf.function(lambda: gradient_step(params, x, "plain"))
-    step()
-    checks.positive_int("repeat", repeat)
-    best = None
-    for k in range(repeat):
-        found = _matmul_breakdown(profile.op_runs(profile.profile_trace(
-            step, os.path.join(logdir, str(k)))), logdir)
-        if best is None or found["forward_ms"] + found["backward_ms"] < \
-                best["forward_ms"] + best["backward_ms"]:
-            best = found
-    return best
-
-
-def _matmul_breakdown(runs, logdir: str) -> dict:
-    matmuls = [r for r in runs if "MatMul" in r.type]
-    backward = [r for r in matmuls if "gradient_tape" in r.name]
-    forward = [r for r in matmuls if "gradient_tape" not in r.name]
-    if not forward or not backward:
-        raise ValueError(f"the trace in {logdir!r} holds no forward or no backward matmul")
-    turn = min(r.start for r in backward)
-    threads = {t: f"thread {i}" for i, t in enumerate(sorted({r.thread for r in matmuls}))}
-    return {"forward_work_ms": sum(r.end - r.start for r in forward),
-            "backward_work_ms": sum(r.end - r.start for r in backward),
-            "forward_ms": turn - min(r.start for r in forward),
-            "backward_ms": max(r.end for r in backward) - turn,
-            "intervals": [(threads[r.thread], r.start, r.end,
-                           "backward" if r in backward else "forward") for r in matmuls]}
 
 
 def step_memory_timeline(logdir: str, variant: str = "plain", batch: int = 1024, blocks: int = 8,

@@ -158,17 +158,6 @@ def test_bench_memory_quick():
         assert r["peak_mib"] > 0 and r["seconds"] > 0
 
 
-def test_step_breakdown_counts_the_matmuls_by_hand(tmp_path):
-    """Two residual blocks: 4 forward matmuls; backward 2 per matmul, less the first block's
-    input gradient (x needs none): 7. Each direction's work and wall time are positive."""
-    parts = course_memory.step_breakdown(str(tmp_path), batch=64, blocks=2, width=16)
-    labels = [label for *_, label in parts["intervals"]]
-    assert (labels.count("forward"), labels.count("backward")) == (4, 7)
-    assert all(parts[k] > 0 for k in ("forward_work_ms", "backward_work_ms", "forward_ms",
-                                      "backward_ms"))
-    assert all(lane.startswith("thread ") for lane, *_ in parts["intervals"])
-
-
 def test_step_memory_timeline_by_hand(tmp_path):
     """Batch 1024, width 128, 2 blocks: each plain forward block allocates a 1024 x 512 product
     (2 MiB, its ReLU then writes in place) and a 1024 x 128 one (0.5 MiB, the residual add
@@ -242,15 +231,3 @@ def test_recomputation_plans_against_hand_counts():
         assert plans[name][1] == pytest.approx(extra, rel=1e-12)
     with pytest.raises(ValueError, match="layers must be"):
         course_memory.recomputation_plans(0, 4096, 32, 4096)
-
-
-def test_figure_memory_draws_one_panel_of_ratios():
-    results = {"plain": {"peak_mib": 10.0, "seconds": 1.0},
-               "recompute": {"peak_mib": 4.0, "seconds": 1.3}}
-    fig = course_memory.figure_memory(results)
-    (ax,) = fig.axes
-    heights = sorted(round(p.get_height(), 6) for p in ax.patches)
-    assert heights == [0.4, 1.0, 1.0, 1.3]
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
