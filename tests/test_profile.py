@@ -49,15 +49,24 @@ def test_step_intervals_needs_a_traced_run():
         profile.step_intervals(tf.compat.v1.RunMetadata())
 
 
-def test_profiler_trace_counts_the_ops_that_ran(four_devices, tmp_path):
+def _two_branch_step(add_on: str | None = None):
+    """Two matmuls on /cpu:0, one on /cpu:1, and their sum (on ``add_on``, or unpinned)."""
     @tf.function
     def step(x):
         with tf.device("/cpu:0"):
             a = tf.matmul(tf.matmul(x, x), x)
         with tf.device("/cpu:1"):
             b = tf.matmul(x, x)
-        return a + b
+        if add_on is None:
+            return a + b
+        with tf.device(add_on):
+            return a + b
 
+    return step
+
+
+def test_profiler_trace_counts_the_ops_that_ran(four_devices, tmp_path):
+    step = _two_branch_step()
     xs = tf.ones((32, 32))
     ran = placement.placement_of(step, xs)
     step(xs)
@@ -174,15 +183,7 @@ def test_device_timeline_bad_arguments():
 
 
 def test_device_timeline_of_a_traced_function_matches_its_placement(four_devices, tmp_path):
-    @tf.function
-    def step(x):
-        with tf.device("/cpu:0"):
-            a = tf.matmul(tf.matmul(x, x), x)
-        with tf.device("/cpu:1"):
-            b = tf.matmul(x, x)
-        with tf.device("/cpu:0"):
-            return a + b
-
+    step = _two_branch_step("/cpu:0")
     xs = tf.ones((64, 64))
     table = placement.placement_of(step, xs)
     step(xs)  # traced before the profile
