@@ -1,4 +1,4 @@
-"""Chapter 16's planner sections: the planner's memory predictions next to the bytes the course
+"""Chapter 17's planner sections: the planner's memory predictions next to the bytes the course
 counts on its own devices (``memory_checks``) and next to a real Keras transformer block on a
 logical device: its variables' bytes, the activations its tape keeps, the measured peak of a
 step (``keras_block_check``), the step-time terms of a few plans as a figure (a cost model: fixed

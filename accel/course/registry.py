@@ -74,7 +74,7 @@ FIGURES: dict[str, str] = {
     "11_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",
     "11_tp_cost.png": "accel.course.tensor_parallel:figure_tp_cost",
     "13_alpha_beta.png": "accel.course.collectives:figure_alpha_beta",
-    "16_planner_terms.png": "accel.course.planner:figure_terms",
+    "17_planner_terms.png": "accel.course.planner:figure_terms",
     "15_zero_memory.png": "accel.course.zero:figure_zero_memory",
 }
 
