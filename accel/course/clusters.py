@@ -1,20 +1,23 @@
-"""Chapter 12's set-up and benchmark: one small regression problem shared by every replicated
-run, and ``python -m accel bench cluster`` (start-up of 1 ps + 2 workers, then examples per
-second of the four replication combinations against one process running the same graph)."""
+"""Chapter 12's set-up, benchmark and exercises: one small regression problem shared by every
+replicated run; ``python -m accel bench cluster`` (start-up of 1 ps + 2 workers, then examples
+per second of the four replication combinations against one process running the same graph);
+the checks of exercise 1 (which step updates a retried function leaves wrong: each update run
+once and twice) and exercise 2 (bytes per link per synchronous step, parameter servers vs a ring
+all-reduce, counted message by message by ``link_bytes``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from accel import datasets, models
 from accel.distributed import replication as rep
 from accel.distributed.cluster import LocalCluster
 
-__all__ = ["problem", "bench", "EXERCISE_SHAPES", "check_round_robin", "check_queue_errors"]
-
-# exercise 1: variables of these shapes (float32) placed by round-robin over 2 ps tasks
-EXERCISE_SHAPES = [(1000, 64), (64,), (64, 64), (64,), (64, 1), (1,)]
+__all__ = ["problem", "bench", "STEP_UPDATES", "not_idempotent", "check_idempotent", "link_bytes",
+           "BANDWIDTH_WORKERS", "BANDWIDTH_BYTES", "check_bandwidth"]
 
 
 def problem(steps: int = 6, global_batch: int = 32, sizes: tuple = (8, 16, 1),
@@ -72,43 +75,141 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
             "training_share": trained / total}
 
 
-def _placed_bytes(strategy=None) -> dict[str, int]:
+# Exercise 1: what a step function may do to state on the ps; which of these leave a different
+# state when the same call runs twice (a retried function) instead of once?
+STEP_UPDATES = {
+    "a": "w.assign_sub(lr * g)                        # plain SGD with the gradient it computed",
+    "b": "seen.assign_add(batch_size)                 # examples seen so far",
+    "c": "last_step.assign(step)                      # the step number this function trained",
+    "d": "best.assign(tf.minimum(best, loss))         # the lowest loss seen",
+    "e": "adam.apply_gradients([(g, w)])              # Keras 3 Adam",
+    "f": "losses.scatter_nd_update([[step]], [loss])  # this step's loss in a per-step log",
+}
+
+
+def _run_update(letter: str, times: int) -> list[np.ndarray]:
+    """Apply update ``letter`` of ``STEP_UPDATES`` ``times`` times to fresh state; return every
+    variable it touches (for ``e`` also Adam's own: iterations and moments)."""
+    import keras
     import tensorflow as tf
 
-    from accel.distributed.shared import bytes_per_task
+    g, loss, step = tf.constant([0.5, -1.0]), tf.constant(0.7), 3
+    state = {"w": tf.Variable([1.0, 2.0]), "seen": tf.Variable(0, dtype=tf.int64),
+             "last_step": tf.Variable(-1), "best": tf.Variable(float("inf")),
+             "losses": tf.Variable(tf.zeros(6))}
+    adam = keras.optimizers.Adam(0.1)
+    updates = {
+        "a": lambda: state["w"].assign_sub(0.1 * g),
+        "b": lambda: state["seen"].assign_add(32),
+        "c": lambda: state["last_step"].assign(step),
+        "d": lambda: state["best"].assign(tf.minimum(state["best"], loss)),
+        "e": lambda: adam.apply_gradients([(g, state["w"])]),
+        "f": lambda: state["losses"].scatter_nd_update([[step]], [loss]),
+    }
+    for _ in range(times):
+        updates[letter]()
+    extra = [v.numpy() for v in adam.variables] if letter == "e" else []
+    return [v.numpy() for v in state.values()] + extra
 
-    with tf.Graph().as_default() as graph:
-        with tf.compat.v1.device(tf.compat.v1.train.replica_device_setter(
-                ps_tasks=2, ps_strategy=strategy)):
-            for i, shape in enumerate(EXERCISE_SHAPES):
-                tf.Variable(tf.zeros(shape), name=f"v{i}")
-    return bytes_per_task(graph)
+
+def not_idempotent() -> set[str]:
+    """The letters of ``STEP_UPDATES`` whose state after two runs differs from after one run,
+    found by running each (``_run_update``), not from a table."""
+    out = set()
+    for letter in STEP_UPDATES:
+        once, twice = _run_update(letter, 1), _run_update(letter, 2)
+        if len(once) != len(twice) or any(not np.array_equal(a, b)
+                                          for a, b in zip(once, twice, strict=True)):
+            out.add(letter)
+    return out
 
 
-def check_round_robin(answer) -> str:
-    """Exercise 1: bytes that round-robin puts on ps task 0 for ``EXERCISE_SHAPES``."""
-    if answer is None:
-        return "not yet: set answer to a number of bytes"
-    right = _placed_bytes()["/job:ps/task:0"]
-    return "right" if answer == right else f"not {answer}: count again (float32 = 4 bytes)"
+def check_idempotent(answer) -> str:
+    """Exercise 1: ``answer`` names the updates of ``STEP_UPDATES`` that a retried function
+    would leave wrong (a string of letters such as ``"xy"`` or a set of letters)."""
+    if answer is None or answer is ...:
+        return "exercise 1: not answered yet"
+    letters = {str(a).strip().lower() for a in answer if str(a).strip()}
+    unknown = sorted(letters - set(STEP_UPDATES))
+    if unknown:
+        raise ValueError(f"answer names {unknown}: the updates are {sorted(STEP_UPDATES)}")
+    right = not_idempotent()
+    if letters == right:
+        return ("exercise 1: correct: run twice, those updates move the state twice; the others "
+                "write a value that depends only on the step's own inputs")
+    missing, extra = sorted(right - letters), sorted(letters - right)
+    return (f"exercise 1: not quite ({len(missing)} left out, {len(extra)} wrongly in): run "
+            "each update once and twice on fresh variables and compare")
 
 
-def check_queue_errors(answer) -> str:
-    """Exercise 2: ``(error, left)``: the error class name that ``dequeue_many(3)`` raises on a
-    *closed* queue holding two items, and how many items the queue holds after it."""
+def link_bytes(scheme: str, workers: int, nbytes: float, servers: int = 1
+               ) -> dict[str, dict[str, float]]:
+    """Bytes each machine's link sends and receives in one synchronous step, counted message by
+    message. ``scheme="ps"``: ``servers`` parameter servers on their own machines, the variables
+    split evenly over them; every worker pushes each server its share of the ``nbytes`` of
+    gradients and pulls back that share of the new weights. ``scheme="ring"``: a ring
+    all-reduce of ``nbytes`` over ``workers`` (a reduce-scatter, then an all-gather, each
+    ``workers - 1`` steps in which every worker sends one ``nbytes / workers`` chunk to the
+    next). Returns ``{"worker:i" / "ps:j": {"sent": bytes, "received": bytes}}``."""
+    if scheme not in ("ps", "ring"):
+        raise ValueError(f"scheme must be 'ps' or 'ring', not {scheme!r}")
+    for name, value in (("workers", workers), ("servers", servers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, not {value!r}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative number, not {nbytes!r}")
+    if scheme == "ring" and servers != 1:
+        raise ValueError("a ring all-reduce has no servers: leave servers=1")
+    nodes = [f"worker:{w}" for w in range(workers)]
+    if scheme == "ps":
+        nodes += [f"ps:{s}" for s in range(servers)]
+    count = {n: {"sent": 0.0, "received": 0.0} for n in nodes}
+
+    def send(src: str, dst: str, size: float) -> None:
+        count[src]["sent"] += size
+        count[dst]["received"] += size
+
+    if scheme == "ps":
+        for w in range(workers):
+            for s in range(servers):
+                send(f"worker:{w}", f"ps:{s}", nbytes / servers)  # push the gradient shard
+                send(f"ps:{s}", f"worker:{w}", nbytes / servers)  # pull the new weights
+    else:
+        for _ in range(2 * (workers - 1)):  # reduce-scatter steps, then all-gather steps
+            for w in range(workers):
+                send(f"worker:{w}", f"worker:{(w + 1) % workers}", nbytes / workers)
+    return count
+
+
+# Exercise 2: 16 workers, a model of 10^9 parameters with float32 gradients
+BANDWIDTH_WORKERS, BANDWIDTH_BYTES = 16, 4e9
+
+
+def _bandwidth_answer() -> tuple[float, float, int]:
+    w, m = BANDWIDTH_WORKERS, BANDWIDTH_BYTES
+    ps_in = link_bytes("ps", w, m)["ps:0"]["received"]
+    ring_out = link_bytes("ring", w, m)["worker:0"]["sent"]
+    servers = 1
+    while max(v["received"] for k, v in link_bytes("ps", w, m, servers).items()
+              if k.startswith("ps:")) > ring_out:
+        servers += 1
+    return ps_in, ring_out, servers
+
+
+def check_bandwidth(answer) -> str:
+    """Exercise 2: ``(bytes one ps receives per step, bytes each worker sends per step in a ring
+    all-reduce, the fewest ps tasks that keep every ps link at or below a ring worker's)`` for
+    ``BANDWIDTH_WORKERS`` workers and ``BANDWIDTH_BYTES`` of gradients."""
     if answer is None or answer is ... or None in answer or ... in answer:
-        return "not yet: set answer to (an error class name, a number of items)"
-    import tensorflow as tf
-
-    with tf.Graph().as_default():
-        q = tf.queue.FIFOQueue(4, tf.int32, shapes=())
-        with tf.compat.v1.Session() as sess:
-            sess.run(q.enqueue_many([[1, 2]]))
-            sess.run(q.close())
-            try:
-                sess.run(q.dequeue_many(3))
-                error = "none"
-            except tf.errors.OpError as exc:
-                error = type(exc).__name__
-            seen = (error, int(sess.run(q.size())))
-    return "right" if tuple(answer) == seen else f"not {tuple(answer)}: try it"
+        return "exercise 2: not answered yet"
+    if len(answer) != 3:
+        raise ValueError(f"answer must be (ps bytes, ring bytes, servers), not {answer!r}")
+    right = _bandwidth_answer()
+    wrong = [name for name, a, r in zip(("ps bytes", "ring bytes", "servers"), answer, right,
+                                        strict=True)
+             if not np.isclose(float(a), r, rtol=1e-6, atol=0)]
+    if not wrong:
+        return ("exercise 2: correct: one ps receives N times the model, a ring worker sends "
+                "under twice the model whatever N is; sharding brings the ps links down only "
+                "with about half as many ps machines as workers")
+    return f"exercise 2: not quite: check {', '.join(wrong)} with clusters.link_bytes"

@@ -16,10 +16,13 @@ The model is the caller's: ``model_fn(params, x)`` returns the predictions of th
 client processes import it by name, so it must be a top-level function of an importable module.
 
 Every run lives in its own resource container on the ps, emptied afterwards with
-``Session.reset``, so one cluster serves many runs. Asynchronous runs count versions (a counter on
-the ps), return ``accel.parallel.staleness.UpdateRecord``s and the sum of every gradient they
-applied (fetched in the same ``Session.run`` as the update, so it is the value applied): with
-plain SGD the final weights must equal ``init - lr * gradient_sum``, which a lost update breaks.
+``Session.reset``, so one cluster serves many runs. Asynchronous runs count versions (a counter
+on the ps, advanced after each update by ``ResourceCountUpTo``, which returns the value before
+its own increment under the variable's lock: an ``assign_add`` followed by a read could also see
+another worker's increment, and two updates would record the same version), return
+``accel.parallel.staleness.UpdateRecord``s and the sum of every gradient they applied (fetched
+in the same ``Session.run`` as the update, so it is the value applied): with plain SGD the final
+weights must equal ``init - lr * gradient_sum``, which a lost update breaks.
 ``seconds`` times the training steps only: the between-graph clients set up (session,
 ``SyncReplicasOptimizer``'s init ops, tokens, queue runner), meet at a barrier (a counter on the
 ps), then note the wall clock; the run counts from the first to leave the barrier to the last to
@@ -47,6 +50,7 @@ __all__ = ["MODES", "RunResult", "global_batches", "reference_sgd", "single_proc
            "between_graph", "read_params", "client"]
 
 MODES = ("sync", "async")
+VERSION_LIMIT = 2**62  # count_up_to's ceiling: never reached
 PS = task_device("ps", 0)
 
 
@@ -170,7 +174,7 @@ def in_graph(cluster: dict, mode: str, model_fn: Callable, init: list[np.ndarray
                 with tf.control_dependencies([reads[w]]):
                     apply = opt.apply_gradients(zip(grads[w], params, strict=True))
                 with tf.control_dependencies([apply]):
-                    train.append(version.assign_add(1))
+                    train.append(_next_version(version))
         with tf.compat.v1.Session(target, config=_config(["/job:ps", "/job:worker"])) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             start = time.perf_counter()
@@ -190,7 +194,7 @@ def in_graph(cluster: dict, mode: str, model_fn: Callable, init: list[np.ndarray
                                                       fd)
                         with lock:
                             _accumulate(sums, g)
-                            records.append(UpdateRecord(w, int(read), int(new) - 1, float(loss),
+                            records.append(UpdateRecord(w, int(read), int(new), float(loss),
                                                         time.perf_counter() - start,
                                                         len(fd[feeds[w][0]]), step=s))
                 threads = [threading.Thread(target=loop, args=(w,)) for w in range(n)]
@@ -205,6 +209,14 @@ def in_graph(cluster: dict, mode: str, model_fn: Callable, init: list[np.ndarray
     return RunResult(f"in-graph {mode}", values, updates, seconds,
                      sorted(records, key=lambda r: r.applied_version),
                      None if mode == "sync" else sums)
+
+
+def _next_version(version):
+    """Add 1 to ``version`` and return its value before, in one op under the variable's lock
+    (``ResourceCountUpTo``: "the values produced will all be distinct", ``Variable.count_up_to``'s
+    docstring, whose deprecation warning the raw op skips)."""
+    return tf.raw_ops.ResourceCountUpTo(resource=version.handle, limit=VERSION_LIMIT,
+                                        T=version.dtype)
 
 
 def _accumulate(sums: list[np.ndarray], grads: list[np.ndarray]) -> None:
@@ -299,7 +311,7 @@ def client(spec: dict) -> dict:
                 with tf.control_dependencies([read]):
                     apply = opt.apply_gradients(zip(grads, params, strict=True))
                 with tf.control_dependencies([apply]):
-                    train = version.assign_add(1)
+                    train = _next_version(version)
             else:
                 opt = tf.compat.v1.train.SyncReplicasOptimizer(opt, replicas_to_aggregate=n,
                                                                total_num_replicas=n)
@@ -323,7 +335,7 @@ def client(spec: dict) -> dict:
                 for _ in range(steps):
                     i, r, lv, new, g = sess.run([index, read, loss, train, grads])
                     _accumulate(sums, g)
-                    records.append([w, int(r), int(new) - 1, float(lv), time.time() - ready,
+                    records.append([w, int(r), int(new), float(lv), time.time() - ready,
                                     int(spec["shapes"][0][0]), False, int(i)])
             else:
                 token = 0

@@ -8,8 +8,9 @@
   sends each variable to the ps task holding the fewest bytes so far (TF1's
   ``GreedyLoadBalancingStrategy`` with ``byte_size_load_fn``, gone with ``tf.contrib``);
   ``bytes_per_task`` counts what a placed graph puts on each task.
-* The seeds' ensembles: ``in_graph_ensemble`` (one client, one network per worker task, the
-  average built in the same graph) and ``between_graph_ensemble`` (a client process per worker
+* Independent models on separate tasks, their predictions averaged (an ensemble), in both TF1
+  forms: ``in_graph_ensemble`` (one client, one network per worker task, the average built in
+  the same graph) and ``between_graph_ensemble`` (a client process per worker
   reading its own input queue and writing to a shared prediction queue; the caller averages).
   A network is ``model_fn(params, x)`` with its own ``params`` (the caller's function; the
   clients import it by name, so a top-level function of an importable module).

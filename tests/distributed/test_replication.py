@@ -90,3 +90,32 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="model_fn must be a function defined at the top"):
         R.between_graph({"ps": ["a:1"], "worker": ["a:2"]}, "sync", lambda p, x: x,
                         [np.zeros(1)], [(np.zeros((2, 1)), np.zeros((2, 1)))], 0.1)
+
+
+def test_versions_are_distinct_under_concurrent_updates():
+    # four threads advance one counter at once, as the asynchronous replicas do: every value
+    # before an increment is handed out exactly once (an assign_add and a later read could
+    # both see another thread's increment)
+    import threading
+
+    import tensorflow as tf
+
+    with tf.Graph().as_default():
+        version = tf.Variable(0, dtype=tf.int64)
+        nxt = R._next_version(version)
+        with tf.compat.v1.Session() as sess:
+            sess.run(version.initializer)
+            seen, lock = [], threading.Lock()
+
+            def advance():
+                got = [int(sess.run(nxt)) for _ in range(200)]
+                with lock:
+                    seen.extend(got)
+
+            threads = [threading.Thread(target=advance) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert sorted(seen) == list(range(800))
+            assert sess.run(version) == 800
