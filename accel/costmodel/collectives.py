@@ -60,7 +60,8 @@ from accel import checks
 __all__ = ["ALGORITHMS", "MEDIA", "terms", "tree_path", "allreduce_time", "crossover_bytes",
            "algorithm_bandwidth",
            "bus_bandwidth", "BUS_FACTORS", "ring_all_reduce_bytes", "sharded_ps_time",
-           "packed_time", "local_sgd_step_time", "overlapped_step_time"]
+           "packed_time", "local_sgd_step_time", "overlapped_step_time", "TWO_LEVEL",
+           "two_level_time"]
 
 ALGORITHMS = ("one_device", "direct", "ring", "tree", "binomial", "halving_doubling")
 MEDIA = ("links", "shared")
@@ -250,3 +251,48 @@ def overlapped_step_time(forward_s: float, backward_s: float, allreduce_s: float
     if b == 1:
         return forward_s + backward_s + allreduce_s
     return forward_s + max(backward_s, allreduce_s) + min(backward_s, allreduce_s) / b
+
+
+TWO_LEVEL = ("flat_ring", "hierarchical")
+
+
+def two_level_time(nbytes: float, nodes: int, per_node: int, intra_latency_s: float,
+                   intra_bandwidth_bps: float, inter_latency_s: float,
+                   inter_bandwidth_bps: float, scheme: str = "hierarchical") -> float:
+    """Modelled all-reduce of ``nbytes`` per GPU over ``nodes`` nodes of ``per_node`` GPUs:
+    inside a node every GPU has a link of ``intra_bandwidth_bps`` (NVLink through NVSwitch),
+    and every GPU has a network adapter of its own, ``inter_bandwidth_bps`` (a rail per GPU,
+    as in NVIDIA's DGX H100); latencies per message ``intra_latency_s`` and ``inter_latency_s``.
+
+    ``"flat_ring"``: one ring over all ``P = nodes * per_node`` GPUs, run as ``per_node`` rings
+    side by side on ``1 / per_node`` of the data each, one per adapter, so that every adapter
+    is busy (NCCL's rings are flat and use all adapters: NVIDIA/nccl#530). Each of its
+    ``2 (P - 1)`` steps waits for its slowest hop, a network one:
+    ``2 (P - 1) inter_latency + 2 (P - 1) / P * nbytes / min(intra_bw, per_node * inter_bw)``.
+
+    ``"hierarchical"`` (2-D): reduce-scatter inside each node (ring over ``per_node``), then
+    ``per_node`` all-reduces between nodes side by side, each of ``1 / per_node`` of the data
+    over its own adapter (ring over ``nodes``), then all-gather inside the node:
+    ``2 (g - 1) intra_latency + 2 (g - 1) / g * nbytes / intra_bw
+    + 2 (N - 1) inter_latency + 2 (N - 1) / N * nbytes / (g * inter_bw)``
+    with ``g = per_node``, ``N = nodes``; the three phases follow one another.
+
+    One node (``nodes=1``) is a ring inside the node for both schemes. A MODEL: pipelining
+    of the phases, protocols and the adapters' placement on PCIe are left out."""
+    checks.non_negative_number("nbytes", nbytes)
+    nodes = checks.positive_int("nodes", nodes)
+    g = checks.positive_int("per_node", per_node)
+    checks.non_negative_number("intra_latency_s", intra_latency_s)
+    checks.positive_number("intra_bandwidth_bps", intra_bandwidth_bps)
+    checks.non_negative_number("inter_latency_s", inter_latency_s)
+    checks.positive_number("inter_bandwidth_bps", inter_bandwidth_bps)
+    checks.one_of("scheme", scheme, TWO_LEVEL)
+    inside = allreduce_time(nbytes, g, "ring", intra_latency_s, intra_bandwidth_bps)
+    if nodes == 1:
+        return inside
+    if scheme == "flat_ring":
+        p = nodes * g
+        return allreduce_time(nbytes, p, "ring", inter_latency_s,
+                              min(intra_bandwidth_bps, g * inter_bandwidth_bps))
+    between = allreduce_time(nbytes / g, nodes, "ring", inter_latency_s, inter_bandwidth_bps)
+    return inside + between

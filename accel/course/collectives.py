@@ -57,24 +57,10 @@ from accel.distributed.cluster import LocalCluster, make_cluster, tf_config
 from accel.procs import report_and_linger, run_python, start_python, wait_for_reports
 
 __all__ = ["TF_IMPLEMENTATIONS", "tf_strategy", "tf_all_reduce", "placed", "inprocess_times",
-           "bytes_table", "collective_bytes_table", "overlap_times", "LINK_CASES",
-           "figure_alpha_beta", "check_exercise", "KIB", "MIB",
+           "bytes_table", "collective_bytes_table", "LINK_CASES",
+           "figure_alpha_beta", "check_exercise", "PACKS_FOR_0_AND_1", "KIB", "MIB",
            "SIZES", "CHAIN", "worker", "client", "tf_ring_sweep", "hand_sweep", "sweep",
-           "process_lines", "crossover_lines", "faster_sizes", "figure_loopback", "main",
-           "SEED_2016"]
-
-# Seed 002's figures (notes on A. Geron, "Hands-On Machine Learning with Scikit-Learn and
-# TensorFlow", 1st ed., 2017, ch. 12, reporting Google's 2016 experience): with the hardware
-# and networks of 2016, data parallelism saturated the bandwidth beyond a few dozen GPUs for
-# dense models and a few hundred for sparse ones; models that still scaled:
-SEED_2016 = {
-    "saturates (dense)": "beyond a few dozen GPUs",
-    "saturates (sparse)": "beyond a few hundred GPUs",
-    "neural machine translation": (8, 6.0),    # GPUs, speed-up
-    "Inception / ImageNet": (50, 32.0),
-    "RankBrain": (500, 300.0),
-}
-
+           "process_lines", "crossover_lines", "faster_sizes", "figure_loopback", "main"]
 
 TF_IMPLEMENTATIONS = ("ReductionToOneDevice", "HierarchicalCopyAllReduce", "collective")
 _STRATEGIES: dict = {}
@@ -186,42 +172,6 @@ def collective_bytes_table(device_names: Sequence[str], ns: Sequence[int] = (2, 
     return rows
 
 
-def overlap_times(device_names: Sequence[str], width: int = 256, count: int = 1 << 19,
-                  repeat: int = 7) -> dict:
-    """Median seconds of a stand-in training step's two parts on the logical devices, alone,
-    one after the other, and free to overlap: ``compute`` (a ``width x width`` matmul chain
-    per device, standing for the backward pass of the next layers) and ``allreduce`` (the
-    hand ring over ``count`` float32 per device, standing for the gradients already
-    produced). ``serial`` runs the all-reduce only after the compute (a control dependency);
-    ``overlapped`` gives TensorFlow the two with no dependency between them, so its executor
-    may run them at once."""
-    devs = list(device_names)
-    rng = np.random.default_rng(0)
-    mats = collectives.place([rng.standard_normal((width, width)).astype(np.float32) / width
-                              for _ in devs], devs)
-    grads = placed(devs, count)
-
-    def compute():
-        out = []
-        for m, d in zip(mats, devs, strict=True):
-            with tf.device(d):
-                y = m
-                for _ in range(4):
-                    y = tf.matmul(y, m)
-                out.append(y[:1, :1])
-        return out
-
-    def reduce(after=()):
-        with tf.control_dependencies(after):
-            return [y[:1] for y in collectives.all_reduce(grads, devs, "ring")]
-
-    fns = {"compute": tf.function(compute), "allreduce": tf.function(reduce),
-           "serial": tf.function(lambda: (lambda c: c + reduce(c))(compute())),
-           "overlapped": tf.function(lambda: compute() + reduce())}
-    return {name: timing.time_fn(lambda fn=fn: [v.numpy() for v in fn()], repeat)
-            for name, fn in fns.items()}
-
-
 LINK_CASES = (("NVLink 3 (A100, per GPU)", 5e-6), ("PCIe 4.0 x16", 10e-6),
               ("100 Gb Ethernet", 30e-6))
 
@@ -248,18 +198,32 @@ def figure_alpha_beta(n: int = 8):
     return fig
 
 
+# Exercise 4's answer, for section 8's MLP (4 Dense layers of 256 and an output: 10 gradients):
+# bytes_per_pack=0 is one pack, which waits for everything; bytes_per_pack=1 closes a pack after
+# every tensor (TensorFlow's group_by_size), and in the reversed list only the last, d0's kernel,
+# waits for d0's weight gradient. tests/course/test_collectives.py checks it against a run.
+PACKS_FOR_0_AND_1 = ((1, 1), (10, 1))
+
+
 def check_exercise(number: int, answer) -> str:
     """Exercise 1: bytes device 0 sends in a ``binomial`` all-reduce of 256 float32 over 3
     devices. Exercise 2: the message size (bytes, rounded down) below which the binomial tree is
     faster than the ring on 8 devices with alpha = 10 us and 10 GB/s (the cost model). Exercise
     3: the fewest parameter servers that keep 16 workers' exchange of 1e8 bytes each within 2x
     of one worker with one server (``sharded_ps_time(1e8, 16, k, 0.0, 1e9)``: alpha = 0,
-    1e9 bytes/s, not pipelined). Returns "exercise N: not answered yet" for
-    ``None``, "exercise N: correct (...)" or a hint."""
-    if number not in (1, 2, 3):
-        raise ValueError(f"number must be 1, 2 or 3, got {number!r}")
+    1e9 bytes/s, not pipelined). Exercise 4: for section 8's MLP, ``((collectives, how many
+    wait for d0's weight gradient) with bytes_per_pack=0, (the same) with bytes_per_pack=1)``.
+    Returns "exercise N: not answered yet" for ``None``, "exercise N: correct (...)" or a
+    hint."""
+    if number not in (1, 2, 3, 4):
+        raise ValueError(f"number must be 1, 2, 3 or 4, got {number!r}")
     if answer is None or answer is ...:
         return f"exercise {number}: not answered yet"
+    if number == 4:
+        if answer == PACKS_FOR_0_AND_1:
+            return f"exercise 4: correct ({PACKS_FOR_0_AND_1})"
+        return ("exercise 4: not quite: count the packs TensorFlow makes from the 10 gradients "
+                "(group_by_size), then follow the chain from the first one")
     if number == 1:
         right = collectives.all_reduce_bytes_per_device(1024, 3, "binomial")[0]
     elif number == 2:

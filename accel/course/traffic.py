@@ -5,20 +5,35 @@
 * ``tf_packing``: the same through TensorFlow's collective all-reduce with
   ``CommunicationOptions(bytes_per_pack=...)``, its all-reduces counted in the traced graph;
 * ``fp16_training``: a data-parallel regression with float32 vs float16 gradients;
-* ``local_sgd_runs``: local SGD with a sync every ``k`` steps (``accel.parallel.local_sgd``).
+* ``local_sgd_runs``: local SGD with a sync every ``k`` steps (``accel.parallel.local_sgd``);
+* ``summation_errors``: how far a sum of ``n`` gradients drifts when its partial sums are
+  kept in float16 or bfloat16 (a ring's hops) or only the inputs are (sums in float32).
+
+Section 8, the order of TensorFlow's packed all-reduces against the backward pass:
+
+* ``pack_step``: a ``tf.function`` whose replicas each run a backward pass and hand their
+  gradients to the strategy's collective all-reduce in packs (``CommunicationOptions``);
+* ``pack_order``: per pack, read from the traced graph: its ``CollectiveReduceV2`` on one
+  device, the layers whose gradients it carries, the layers its own data waits for, the
+  collective it is chained after (TensorFlow's ordering token), and everything it waits for;
+* ``traced_packs``: one executed step read from a profiler trace (``accel.profile.op_runs``):
+  when each of that device's collectives ran, against its backward matmuls.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
 
-from accel import collectives, datasets, timing
+from accel import checks, collectives, datasets, profile, timing
 from accel.course.collectives import tf_strategy
 
-__all__ = ["packing_times", "tf_packing", "fp16_training", "local_sgd_runs"]
+__all__ = ["packing_times", "tf_packing", "fp16_training", "local_sgd_runs",
+           "SUMMATIONS", "summation_errors", "pack_step", "Pack", "pack_order", "traced_packs"]
 
 
 def _gradient_like(device_names, tensors_per_device, size, seed=0):
@@ -122,3 +137,167 @@ def local_sgd_runs(device_names: Sequence[str], everys: Sequence[int] = (1, 2, 4
     return {k: local_sgd(lambda p, xb: xb @ p[0] + p[1], squared_error, params, shards, devs,
                          every=k, steps=steps, learning_rate=lr, x_eval=x, y_eval=y)
             for k in everys}
+
+
+SUMMATIONS = ("float32", "bfloat16 sent, float32 sums", "bfloat16 sums", "float16 sums")
+
+
+def summation_errors(ns: Sequence[int] = (2, 4, 8, 16, 32, 64), count: int = 4096,
+                     seed: int = 0) -> dict[str, list[float]]:
+    """The sum of ``n`` gradients (``count`` standard normal float32 numbers each, the first
+    ``n`` of one draw) added one after another, as a ring's reduce-scatter adds them, in each
+    of ``SUMMATIONS``: ``"float32"`` (every partial sum float32); ``"bfloat16 sent, float32
+    sums"`` (each gradient rounded to bfloat16 once, as sent, the sums kept in float32: what a
+    receiver that adds the raw contributions itself gets); ``"bfloat16 sums"`` and ``"float16
+    sums"`` (each gradient and every partial sum in that type: a ring whose partial sums travel
+    in it). Returns ``{summation: [relative error for each n]}``, the error the root mean
+    square over the elements of (sum - exact) over that of the exact sum (float64's sum of the
+    float32 gradients). TensorFlow's casts and additions."""
+    ns = [checks.positive_int("n", n) for n in ns]
+    count = checks.positive_int("count", count)
+    if not ns:
+        raise ValueError("ns is empty: give at least one number of gradients")
+    grads = np.random.default_rng(seed).standard_normal((max(ns), count)).astype(np.float32)
+    g = tf.constant(grads)
+    low = {"bfloat16 sums": tf.bfloat16, "float16 sums": tf.float16}
+    out: dict[str, list[float]] = {name: [] for name in SUMMATIONS}
+    for n in ns:
+        exact = grads[:n].astype(np.float64).sum(axis=0)
+        for name in SUMMATIONS:
+            if name in low:
+                acc = tf.cast(g[0], low[name])
+                for i in range(1, n):
+                    acc = acc + tf.cast(g[i], low[name])
+            else:
+                sent = g if name == "float32" else tf.cast(tf.cast(g, tf.bfloat16), tf.float32)
+                acc = sent[0]
+                for i in range(1, n):
+                    acc = acc + sent[i]
+            err = tf.cast(acc, tf.float64).numpy() - exact
+            out[name].append(float(np.sqrt(np.mean(err ** 2) / np.mean(exact ** 2))))
+    return out
+
+
+def pack_step(strategy, model, x, y, bytes_per_pack: int, reverse: bool = False):
+    """A ``tf.function`` (no arguments): every replica of ``strategy`` runs ``model`` on
+    ``(x, y)`` (mean squared error) and its backward pass, and hands the gradients to the
+    strategy's all-reduce (``ReplicaContext.all_reduce``, sum) with
+    ``CommunicationOptions(bytes_per_pack=bytes_per_pack)``: in ``model.trainable_variables``'
+    order (first layer first), or last layer first with ``reverse=True``. Nothing is applied."""
+    bytes_per_pack = checks.non_negative_int("bytes_per_pack", bytes_per_pack)
+    options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=bytes_per_pack)
+    variables = model.trainable_variables
+
+    def replica(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        grads = tape.gradient(loss, variables)
+        if reverse:
+            grads = grads[::-1]
+        return tf.distribute.get_replica_context().all_reduce("sum", grads, options=options)
+
+    return tf.function(lambda: strategy.run(replica, (x, y)))
+
+
+@dataclass(frozen=True)
+class Pack:
+    """One pack's all-reduce on one device, read from the traced graph: ``op`` (its
+    ``CollectiveReduceV2``), ``data`` (the op that concatenates the pack's gradients, its
+    input), ``holds`` (the layers whose gradients it carries), ``needs`` (the layers whose
+    weight gradient its own data waits for), ``after`` (the collective it has a control edge
+    from, or ``None``) and ``waits`` (the layers whose weight gradient it waits for through its
+    data or that chain)."""
+
+    op: str
+    data: str
+    holds: tuple[str, ...]
+    needs: tuple[str, ...]
+    after: str | None
+    waits: tuple[str, ...]
+
+
+_LAYER = re.compile(r"/(d\d+|out)(?:_\d+)?/")
+
+
+def _layer(name: str) -> str | None:
+    found = _LAYER.search(name)
+    return found.group(1) if found else None
+
+
+def _on(op_device: str, device: str) -> bool:
+    a, b = tf.DeviceSpec.from_string(op_device), tf.DeviceSpec.from_string(device)
+    return (a.device_type, a.device_index) == (b.device_type, b.device_index)
+
+
+def _weight_grads(ops, control: bool) -> set[str]:
+    """Layers whose weight-gradient ``MatMul`` (``inputs^T @ upstream``: ``transpose_a``) is
+    among the ancestors of ``ops`` (through data inputs, and control inputs if ``control``)."""
+    seen, todo = {}, list(ops)
+    while todo:
+        op = todo.pop()
+        for parent in [t.op for t in op.inputs] + (list(op.control_inputs) if control else []):
+            if parent.name not in seen:
+                seen[parent.name] = parent
+                todo.append(parent)
+    return {_layer(name) for name, op in seen.items() if name.startswith("gradient_tape/")
+            and op.type == "MatMul" and op.get_attr("transpose_a")} - {None}
+
+
+def pack_order(step, model, device: str) -> list[Pack]:
+    """The packs of ``step`` (a ``pack_step``) on ``device`` (one replica's device), in the
+    order TensorFlow created their ``CollectiveReduceV2`` ops, read from its traced graph;
+    layer names are ``model``'s (``d0``, ``d1``, ..., ``out``). Raises ``ValueError`` if the
+    graph holds no collective on ``device``."""
+    graph = step.get_concrete_function().graph
+    order = [layer.name for layer in model.layers]
+    ops = [op for op in graph.get_operations()
+           if op.type == "CollectiveReduceV2" and _on(op.device, device)]
+    if not ops:
+        raise ValueError(f"no CollectiveReduceV2 on {device!r} in the traced step")
+    names = {op.name for op in ops}
+    packs = []
+    for op in ops:
+        data = op.inputs[0].op
+        sources = [t.op.inputs[0].op if t.op.type == "Reshape" else t.op for t in data.inputs]
+        held = {_layer(s.name) for s in sources} - {None}
+        after = [c.name for c in op.control_inputs if c.name in names]
+        packs.append(Pack(op.name, data.name, tuple(n for n in order if n in held),
+                          tuple(n for n in order if n in _weight_grads([data], False)),
+                          after[0] if after else None,
+                          tuple(n for n in order if n in _weight_grads([op], True))))
+    return packs
+
+
+def traced_packs(step, packs: Sequence[Pack], device: str, logdir: str) -> dict:
+    """One executed run of ``step`` (run once before, so that nothing is traced or set up
+    inside the trace) read from a profiler trace, on ``device``'s ops: ``runs`` (per pack, in
+    ``packs``' order: when its data was ready, when its collective started and when it ended,
+    ms from the trace's first op), ``backward_end`` (when the device's last backward ``MatMul``
+    ended), ``in_order`` (whether the collectives started in ``packs``' order) and
+    ``intervals`` for ``accel.viz.timeline``: the device's input-gradient and weight-gradient
+    matmuls (two lanes, labelled by layer), the ops that concatenate each pack's gradients
+    (``p0``, ``p1``, ...) and its collectives (``c0``, ``c1``, ...)."""
+    graph = step.get_concrete_function().graph
+    backward = {op.name: op.get_attr("transpose_a") for op in graph.get_operations()
+                if op.type == "MatMul" and op.name.startswith("gradient_tape/")
+                and _on(op.device, device)}
+    step()
+    runs = profile.op_runs(profile.profile_trace(step, logdir))
+    found = {r.name: r for r in runs}
+    missing = [name for p in packs for name in (p.op, p.data) if name not in found]
+    if missing:
+        raise ValueError(f"the trace holds no run of {missing}")
+    mine = [(found[p.data].end, found[p.op].start, found[p.op].end) for p in packs]
+    matmuls = [r for r in runs if r.name in backward]
+    if not matmuls:
+        raise ValueError(f"the trace holds no backward MatMul on {device!r}")
+    intervals = [("weight gradients" if backward[r.name] else "input gradients", r.start, r.end,
+                  _layer(r.name) or "?") for r in matmuls]
+    intervals += [("pack data", found[p.data].start, found[p.data].end, f"p{k}")
+                  for k, p in enumerate(packs)]
+    intervals += [("collectives", s, e, f"c{k}") for k, (_, s, e) in enumerate(mine)]
+    lanes = ("input gradients", "weight gradients", "pack data", "collectives")
+    intervals.sort(key=lambda i: (lanes.index(i[0]), i[1]))
+    starts = [s for _, s, _ in mine]
+    return {"runs": mine, "backward_end": max(r.end for r in matmuls),
+            "in_order": starts == sorted(starts), "intervals": intervals}

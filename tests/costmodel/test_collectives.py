@@ -146,3 +146,24 @@ def test_bad_input_names_the_value():
         cost.terms("ring", 0)
     with pytest.raises(ValueError, match="collective"):
         cost.bus_bandwidth(1, 1, 2, "scatter")
+
+
+def test_two_level_time_by_hand():
+    """2 nodes of 4 GPUs, 800 bytes; inside 1 s per message and 100 bytes/s, between 10 s and
+    10 bytes/s per adapter (4 adapters: 40 bytes/s per node)."""
+    args = (800, 2, 4, 1.0, 100.0, 10.0, 10.0)
+    # flat ring over 8: 14 steps of 10 s + 2 * 7/8 * 800 / min(100, 40) = 140 + 35
+    assert cost.two_level_time(*args, scheme="flat_ring") == pytest.approx(175.0)
+    # inside: 6 steps of 1 s + 2 * 3/4 * 800 / 100 = 18; between: 4 rings of 200 bytes over
+    # 2 nodes, side by side: 2 steps of 10 s + 2 * 1/2 * 200 / 10 = 40
+    assert cost.two_level_time(*args, scheme="hierarchical") == pytest.approx(58.0)
+    # one node: a ring inside it either way; one GPU per node: a ring between the nodes
+    for scheme in cost.TWO_LEVEL:
+        assert cost.two_level_time(800, 1, 4, 1.0, 100.0, 10.0, 10.0, scheme) == \
+            pytest.approx(18.0)
+    assert cost.two_level_time(800, 4, 1, 1.0, 100.0, 10.0, 10.0, "hierarchical") == \
+        pytest.approx(cost.allreduce_time(800, 4, "ring", 10.0, 10.0))
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        cost.two_level_time(*args, scheme="torus")
+    with pytest.raises(ValueError, match="nodes"):
+        cost.two_level_time(800, 0, 4, 1.0, 100.0, 10.0, 10.0)
