@@ -1,14 +1,20 @@
 """The planner against a published table: Narayanan et al. 2021, "Efficient Large-Scale Language
 Model Training on GPU Clusters Using Megatron-LM" (SC21, arXiv:2104.04473), Table 1: GPT models
-of 1.7 billion to 1 trillion parameters (sequence 2048, vocabulary 51200) trained on up to 3072
-A100 80 GB GPUs of NVIDIA's Selene (DGX A100 nodes), with the tensor (t) and pipeline (p) sizes
-the authors chose and the per-GPU throughput they REPORT (eq. 3's FLOPs per second).
+of 1.7 billion to 1 trillion parameters (sequence 2048, vocabulary 51200) benchmarked on up to
+3072 A100 80 GB GPUs of NVIDIA's Selene (DGX A100 nodes), with the tensor (t) and pipeline (p)
+sizes the authors chose and the per-GPU throughput they REPORT (eq. 3's FLOPs per second). These
+were throughput benchmarks, not trainings to convergence (NVIDIA/Megatron-LM README, "Training
+Speed and Scalability": "these results are from benchmark runs and these models were not
+trained to convergence").
 
 ``compare()`` asks the planner, for each row, with the paper's own settings for what Table 1
 leaves fixed (full activation recomputation, no ZeRO, and micro-batches of one sequence for the
 published configuration: an assumption, as Table 1 does not list the micro-batch size):
 
-* where the published (t, p) ranks among the planner's distinct (t, p) layouts;
+* where the published (t, p) ranks among the planner's distinct (t, p) layouts that fit, and
+  where it ranks in the order of the paper's own rule of thumb (``plans.rule_layouts``:
+  Takeaways #1 and #2, tensor parallelism up to a node, then the smallest pipeline that fits),
+  with the number of layouts that fit;
 * the modelled per-GPU throughput of the published configuration, and its error;
 * beside it a TRIVIAL baseline, ``u x 312 TFLOP/s`` per GPU with no communication at all.
 
@@ -19,12 +25,17 @@ reaches is 267.9 TFLOP/s, 86% of the peak (``GEMM_CEILING``); a training step, w
 softmax, LayerNorms and element-wise kernels, gets less.
 
 ``compare_table2()`` is the out-of-sample check: Table 2 of the same paper, PTD-P against ZeRO-3
-without model parallelism (``TABLE2``), with the utilisations fitted on Table 1, the ZeRO-3
-step bounded between no overlap and full overlap of its gathers with the compute.
+without model parallelism (``TABLE2``), with the utilisations fitted on Table 1, each step
+bounded between no overlap and full overlap of its data-parallel traffic with the compute.
+Table 2 gives PTD-P's model-parallel size only (t p = 96 and 280); the split t = 8 (one DGX A100
+node) x p = 12 and 35 is inferred: Takeaway #1, and p = 35 is Table 1's layout of the same
+529.6B model. The same split is what cli99/llm-analysis uses to reproduce Table 2's training
+times (``examples/megatron-lm/run_train.sh``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -37,7 +48,7 @@ from accel.costmodel.planner import (
     memory_per_device,
     step_time,
 )
-from accel.costmodel.plans import distinct_layouts, rank_plans
+from accel.costmodel.plans import distinct_layouts, rank_plans, rule_layouts
 
 __all__ = ["SOURCE", "TABLE1", "SEQ", "VOCAB", "FIT_ROWS", "GEMM_CEILING", "TABLE2_SOURCE",
            "TABLE2", "fit_utilization", "trivial_tflops", "compare", "summary",
@@ -68,18 +79,19 @@ GEMM_CEILING = (267.9, "S. Bekman, 'Machine Learning Engineering', compute/accel
                        "bf16 matmul, 267.9 of 312 TFLOP/s (85.9%), CUDA 12.1")
 
 TABLE2_SOURCE = (
-    "Narayanan et al. 2021, arXiv:2104.04473, Table 2 (PTD-P vs ZeRO-3 without model "
-    "parallelism), as transcribed in two independent notes found with the course's search "
-    "(an English one listing all rows; a Chinese one listing the 174.6B rows, which agree). "
-    "The 529.6B ZeRO-3 rows at more than 640 GPUs are left out: their GPU counts disagree "
-    "between the transcriptions and the paper could not be read here")
+    "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters "
+    "Using Megatron-LM', SC'21, arXiv:2104.04473, Table 2 (PTD-P vs ZeRO-3 without model "
+    "parallelism). PTD-P's t = 8 x p = 12 and 35 are inferred from its model-parallel sizes "
+    "96 and 280 (Takeaway #1; p = 35 is Table 1's layout of the 529.6B model)")
 # REPORTED: (scheme, billions, layers, hidden, heads, (t, p), batch, GPUs, micro-batch, TFLOP/s)
-# PTD-P's model-parallel sizes 96 and 280 are read as t = 8 (a node) x p = 12 and 35
+# the 640-GPU ZeRO-3 row ran a larger batch (2560) than the other 529.6B rows (2240)
 TABLE2: list[tuple] = [
     ("ZeRO-3", 174.6, 96, 12288, 96, (1, 1), 1536, 384, 4, 144),
     ("ZeRO-3", 174.6, 96, 12288, 96, (1, 1), 1536, 768, 2, 88),
     ("ZeRO-3", 174.6, 96, 12288, 96, (1, 1), 1536, 1536, 1, 44),
     ("ZeRO-3", 529.6, 105, 20480, 128, (1, 1), 2560, 640, 4, 138),
+    ("ZeRO-3", 529.6, 105, 20480, 128, (1, 1), 2240, 1120, 2, 98),
+    ("ZeRO-3", 529.6, 105, 20480, 128, (1, 1), 2240, 2240, 1, 48),
     ("PTD-P", 174.6, 96, 12288, 96, (8, 12), 1536, 384, 1, 153),
     ("PTD-P", 174.6, 96, 12288, 96, (8, 12), 1536, 768, 1, 149),
     ("PTD-P", 174.6, 96, 12288, 96, (8, 12), 1536, 1536, 1, 141),
@@ -128,18 +140,22 @@ def fit_utilization(kind: str = "planner", rows: int = FIT_ROWS) -> float:
 def compare(utilization: float | None = None, top: int = 3,
             memory_budget: float = MEMORY_BUDGET) -> list[dict]:
     """One dict per row of ``TABLE1``: the published figures, the planner's first ``top``
-    (t, p) layouts, the published layout's rank (None if no fitting plan has it), the
-    modelled throughput of the published configuration, the trivial baseline's, their
-    relative errors, and whether the row was used to fit (``fitted``). ``utilization``: the
-    planner's (default: fitted); the baseline's is always fitted."""
+    (t, p) layouts, the published layout's rank among the distinct layouts that fit (None if
+    no fitting plan has it) under the planner (``rank``) and under the rule of thumb
+    (``rule_rank``, ``plans.rule_layouts``), how many layouts fit (``layouts``), the rule's
+    first layout (``rule_first``), the modelled throughput of the published configuration, the
+    trivial baseline's, their relative errors, and whether the row was used to fit
+    (``fitted``). ``utilization``: the planner's (default: fitted); the baseline's is always
+    fitted."""
     u = fit_utilization("planner") if utilization is None else utilization
     u_trivial = fit_utilization("trivial")
     out = []
     for i, row in enumerate(TABLE1):
         model, cluster, plan, batch = _published_plan(row)
-        ranked = rank_plans(model, cluster, batch, zero_stages=(0,), recompute=(True,),
+        ranked = rank_plans(model, cluster, batch, zero_stages=(0,), recompute=("full",),
                             utilization=u, memory_budget=memory_budget)
         layouts = distinct_layouts(ranked)
+        rule = rule_layouts(layouts, cluster.gpus_per_node)
         t, p, tflops = plan.tensor, plan.pipeline, row[-1]
         modelled = step_time(model, cluster, plan, batch, utilization=u)
         memory = memory_per_device(model, plan, batch)
@@ -149,6 +165,8 @@ def compare(utilization: float | None = None, top: int = 3,
             "published": (t, p), "published_tflops": tflops, "fitted": i < FIT_ROWS,
             "planner_top": layouts[:top],
             "rank": layouts.index((t, p)) + 1 if (t, p) in layouts else None,
+            "rule_rank": rule.index((t, p)) + 1 if (t, p) in rule else None,
+            "rule_first": rule[0], "layouts": len(layouts),
             "modelled_tflops": modelled.tflops_per_gpu,
             "error": modelled.tflops_per_gpu / tflops - 1,
             "trivial_tflops": trivial, "trivial_error": trivial / tflops - 1,
@@ -161,12 +179,15 @@ def compare(utilization: float | None = None, top: int = 3,
 
 def summary(rows: list[dict], top: int = 3, tolerance: float = 0.25) -> dict:
     """Over the rows NOT used to fit: how many have the published layout in the top ``top``,
-    how many the planner and the trivial baseline model within ``tolerance``, both median
-    absolute errors, and the rows the planner misses (by size)."""
+    first under the planner and first under the rule of thumb, how many the planner and the
+    trivial baseline model within ``tolerance``, both median absolute errors, and the rows the
+    planner misses (by size)."""
     held = [r for r in rows if not r["fitted"]]
     in_top = [r for r in held if r["rank"] is not None and r["rank"] <= top]
     close = [r for r in held if abs(r["error"]) <= tolerance]
     return {"rows": len(held), "in_top": len(in_top), "within": len(close),
+            "first": sum(r["rank"] == 1 for r in held),
+            "rule_first": sum(r["rule_rank"] == 1 for r in held),
             "trivial_within": sum(abs(r["trivial_error"]) <= tolerance for r in held),
             "median_abs_error": statistics.median(abs(r["error"]) for r in held),
             "trivial_median_abs_error": statistics.median(abs(r["trivial_error"]) for r in held),
@@ -174,16 +195,18 @@ def summary(rows: list[dict], top: int = 3, tolerance: float = 0.25) -> dict:
 
 
 def format_comparison(rows: list[dict]) -> str:
-    """Published vs planner vs the trivial baseline, one line per model (* = fitted on)."""
+    """Published vs planner vs the trivial baseline, one line per model (* = fitted on):
+    the published layout's rank under the planner and under the rule, of ``fit`` layouts."""
     lines = [f"{'params':>8} {'GPUs':>5} {'published':>9} {'planner top 3':>24} {'rank':>4} "
-             f"{'GB/GPU':>6} {'TF/s pub.':>9} {'planner':>7} {'error':>6} {'trivial':>7} "
-             f"{'error':>6}"]
+             f"{'rule':>4} {'fit':>3} {'GB/GPU':>6} {'TF/s pub.':>9} {'planner':>7} "
+             f"{'error':>6} {'trivial':>7} {'error':>6}"]
     for r in rows:
         top = " ".join(f"({t},{p})" for t, p in r["planner_top"])
-        rank = "-" if r["rank"] is None else str(r["rank"])
+        rank, rule = ("-" if x is None else str(x) for x in (r["rank"], r["rule_rank"]))
         mark = "*" if r["fitted"] else " "
         lines.append(f"{r['params_b']:>6.1f}B{mark} {r['gpus']:>5} {str(r['published']):>9} "
-                     f"{top:>24} {rank:>4} {r['published_gb']:>6.1f} "
+                     f"{top:>24} {rank:>4} {rule:>4} {r['layouts']:>3} "
+                     f"{r['published_gb']:>6.1f} "
                      f"{r['published_tflops']:>9} {r['modelled_tflops']:>7.0f} "
                      f"{r['error']:>+6.0%} {r['trivial_tflops']:>7.0f} "
                      f"{r['trivial_error']:>+6.0%}")
@@ -191,9 +214,10 @@ def format_comparison(rows: list[dict]) -> str:
 
 
 def compare_table2(utilization: float | None = None) -> list[dict]:
-    """One dict per row of ``TABLE2``: the published throughput, the planner's with the ZeRO-3
-    gathers not overlapped at all (``slow``) and fully overlapped (``fast``; the same for
-    PTD-P), the trivial baseline's, and the planner's memory per GPU."""
+    """One dict per row of ``TABLE2``: the published throughput, the planner's with the
+    data-parallel traffic not overlapped at all (``slow``, ``Plan(overlap=False)``) and
+    overlapped as far as the model allows (``fast``), the trivial baseline's, and the planner's
+    memory per GPU."""
     u = fit_utilization("planner") if utilization is None else utilization
     trivial = trivial_tflops(fit_utilization("trivial"))
     out = []
@@ -201,8 +225,8 @@ def compare_table2(utilization: float | None = None) -> list[dict]:
         model = Transformer(layers, hidden, heads, SEQ, VOCAB)
         cluster = Cluster.dgx_a100(nodes=1, gpus=gpus)
         plan = Plan(gpus // (t * p), t, p, zero=3 if scheme == "ZeRO-3" else 0, microbatch=b)
-        slow, fast = (step_time(model, cluster, plan, batch, utilization=u, zero_overlap=o)
-                      for o in (0.0, 1.0))
+        slow, fast = (step_time(model, cluster, dataclasses.replace(plan, overlap=o), batch,
+                                utilization=u) for o in (False, True))
         out.append({"scheme": scheme, "params_b": params, "gpus": gpus, "microbatch": b,
                     "published_tflops": tflops, "slow_tflops": slow.tflops_per_gpu,
                     "fast_tflops": fast.tflops_per_gpu, "trivial_tflops": trivial,

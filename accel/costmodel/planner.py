@@ -6,29 +6,55 @@ plan: memory per device and time per step, from plain numbers (no TensorFlow).
 * ``Cluster``: GPUs per node, nodes, memory per GPU, dense peak FLOP/s, one-direction bandwidth
   per GPU inside a node and out of it; ``Cluster.dgx_a100(nodes)`` takes every figure from
   ``accel.costmodel.hardware`` (cited there);
-* ``Plan(data, tensor, pipeline, zero, microbatch, recompute)``;
-* ``step_flops``: the paper's eq. 3, ``96 B s l h^2 (1 + s / 6h + V / 16lh)`` with activation
-  recomputation (four passes over the layers, three over the logit layer), ``72 B s l h^2 (1 +
-  s / 6h) + 6 B s h V`` without;
+* ``Plan(data, tensor, pipeline, zero, microbatch, recompute, sequence_parallel, interleave,
+  overlap)``;
+* ``STATE_BYTES``: the bytes per parameter of weights, gradients and optimizer state, an
+  explicit choice (``precision``), see below;
+* ``step_flops``: what a step executes. Full recomputation is the paper's eq. 3,
+  ``96 B s l h^2 (1 + s / 6h + V / 16lh)`` (four passes over the layers, three over the logit
+  layer); none is ``72 B s l h^2 (1 + s / 6h) + 6 B s h V``; selective recomputation (Korthikanti
+  et al. 2022, arXiv:2205.05198, section 5) adds to that the forward of attention's core again,
+  its two ``2 b s^2 h`` matmuls: ``4 B s^2 h`` per layer;
 * ``memory_per_device``: weights, gradients and optimizer states of the first pipeline stage
   (the most loaded: its layers and the embedding), each sharded by ZeRO's stage over the data
   replicas; activations of the micro-batches 1F1B keeps in flight (``min(p, m)``), per layer
-  Korthikanti et al. 2022's ``s b h (10 + 24 / t + 5 a s / (h t))`` bytes without recomputation,
-  ``2 s b h`` (the layer's input) with it, plus one layer's full set while it is recomputed;
+  and micro-batch Korthikanti et al.'s Table 2 at 16 bits: ``s b h (10 + 24 / t + 5 a s / ht)``
+  kept whole, ``s b h (34 / t + 5 a s / ht)`` with sequence parallelism; ``s b h (10 + 24 / t)``
+  and ``34 s b h / t`` with selective recomputation; the layer's input, ``2 s b h`` (``2 s b h /
+  t`` with sequence parallelism, where the input lives split by sequence), with full
+  recomputation, plus one layer's whole set while it is recomputed. Interleaving ``v`` chunks
+  multiplies the first stage's activations by ``1 + (p - 1) / (p v)`` (Korthikanti et al.,
+  section 4.2.3);
 * ``step_time``: compute at ``utilization`` of the peak, the pipeline's clock set by its
   slowest stage, the last (its blocks and the logit layer, as Megatron-LM places it); per layer
   and micro-batch the tensor-parallel all-reduces of the ``s b h`` activation (2 forward, 2
-  backward, 2 more when recomputing: Shoeybi et al. 2019); the pipeline's ``(m + p - 1)`` slots
-  (bubble ``(p - 1) / (m + p - 1)``, ``accel.costmodel.pipeline``) with the boundary activation
-  sent point-to-point, split over the tensor group (Narayanan et al.'s scatter/gather); the
-  data-parallel traffic of ``accel.costmodel.zero.zero_comm_bytes_accumulated``: ZeRO 0-1 one
-  gradient all-reduce per step (Megatron-LM all-reduces after the pipeline flush; ``dp_overlap``
-  of it hidden, 0 by default), ZeRO 2 a reduce-scatter per micro-batch (it keeps only its
-  gradient shard, as DeepSpeed does) and one all-gather, ZeRO 3 two gathers and a
-  reduce-scatter per micro-batch. ``zero_overlap`` bounds how much of the ZeRO 2-3 traffic
-  prefetching hides behind the compute: 0 (the default) hides nothing, an upper bound on the
-  step; 1 hides all of it up to the compute's length, a lower bound. Ring collectives run at
-  the nominal bandwidth of the slowest link the group crosses.
+  backward, 2 more when the forward is recomputed in full: Shoeybi et al. 2019); with sequence
+  parallelism each becomes a reduce-scatter and an all-gather, the same bytes (Korthikanti et
+  al., section 4.2.2). The pipeline's ``(v m + p - 1)`` slots of a chunk's time ``stage / v``
+  (bubble ``(p - 1) / (v m + p - 1)``, chapter 10; Narayanan et al. section 2.2.2), each chunk
+  boundary sending the activation point-to-point, split over the tensor group (Narayanan et
+  al.'s scatter/gather): ``v`` times the sends of 1F1B. Data-parallel traffic of the first
+  stage's parameters (the step ends with its backward; Megatron-LM's DDP treats later stages'
+  traffic as off the critical path: ``megatron/core/distributed/distributed_data_parallel.py``):
+  ZeRO 0 an all-reduce of the gradients per step, ZeRO 1 a reduce-scatter of the gradients
+  and an all-gather of the weights (Megatron-LM's distributed optimizer), ZeRO 2 a
+  reduce-scatter per micro-batch (it keeps only its gradient shard, as DeepSpeed does) and one
+  all-gather, ZeRO 3 two gathers and a reduce-scatter per micro-batch; gradients move at the
+  gradients' bytes, weights at the weights'. ``overlap=True`` hides ZeRO 0-1's reduction behind
+  the backward of the step's last micro-batch (buckets reduced while the earlier layers' backward
+  runs: PyTorch DDP, Megatron-LM's ``--overlap-grad-reduce``), and ZeRO 2-3's per-micro-batch
+  traffic behind the compute (prefetching), each up to the compute's length: the step's lower
+  bound; ``overlap=False`` hides nothing, the upper bound. Ring collectives run at the nominal
+  bandwidth of the slowest link the group crosses.
+
+Bytes per parameter (``STATE_BYTES``, the ``precision`` argument) are a choice, not a fact of
+the model: ``"mixed"`` (the default) is the ZeRO paper's count (Rajbhandari et al. 2019, section
+3.1): 16-bit weights and gradients, 2 + 2, and Adam's fp32 master weights and two moments, 12;
+16 in all. ``"megatron-bf16"`` is Megatron Core's with bf16 weights and fp32 gradients (the
+gradients accumulated and reduced in fp32): 2 + 4 + 12 = 18, and ``"megatron-fp16"`` its count
+for fp16 weights and gradients, whose optimizer also keeps an fp32 copy of the gradients: 2 + 2
++ 16 = 20 (Megatron Core developer guide, "Distributed Optimizer": 18 and 20 bytes, 6 + 12/d and
+4 + 16/d with the distributed optimizer). ``"fp32"``: 4 + 4 + 8, what runs in this course.
 
 ``utilization`` defaults to ``UTILIZATION`` = 0.5, the share of the dense peak that every cost
 model of this course assumes (chapters 09-11); ``accel.costmodel.megatron_table`` fits it on
@@ -44,24 +70,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from accel import checks
-from accel.costmodel.collectives import ring_all_reduce_bytes
+from accel.costmodel.collectives import BUS_FACTORS, ring_all_reduce_bytes
 from accel.costmodel.hardware import MEMORY_GB, NODES, link_bandwidth, peak_flops
-from accel.costmodel.pipeline import pipeline_step, stash_microbatches
-from accel.costmodel.transformer import layer_activation_bytes, layer_flops
-from accel.costmodel.zero import (
-    BYTES_PER_PARAM,
-    zero_bytes_per_device,
-    zero_comm_bytes_accumulated,
-)
+from accel.costmodel.pipeline import stash_microbatches
+from accel.costmodel.transformer import layer_flops
 
-__all__ = ["UTILIZATION", "MEMORY_BUDGET", "Transformer", "Cluster", "Plan", "Memory",
-           "StepTime", "layer_parameters", "stage_parameters", "state_bytes", "step_flops",
-           "microbatches", "memory_per_device", "step_time", "stage_state_bytes"]
+__all__ = ["UTILIZATION", "MEMORY_BUDGET", "STATE_BYTES", "PRECISION", "RECOMPUTE",
+           "Transformer", "Cluster", "Plan", "Memory", "StepTime", "layer_parameters",
+           "stage_parameters", "state_bytes", "layer_activations", "step_flops",
+           "microbatches", "dp_bytes", "memory_per_device", "step_time", "stage_state_bytes"]
 
 UTILIZATION = 0.5
 # a rule of thumb, not fitted: 16 GB of an 80 GB GPU left for what the model does not count (the
 # CUDA context, cuBLAS and NCCL workspaces, the caching allocator's fragmentation, temporaries)
 MEMORY_BUDGET = 0.8
+# precision -> bytes per parameter of (weights, gradients, optimizer state) with Adam
+STATE_BYTES: dict[str, tuple[int, int, int]] = {
+    "mixed": (2, 2, 12),          # ZeRO paper, section 3.1: 16
+    "megatron-bf16": (2, 4, 12),  # Megatron Core: bf16 params, fp32 grads: 18 (6 + 12/d)
+    "megatron-fp16": (2, 2, 16),  # Megatron Core: fp16 params and grads: 20 (4 + 16/d)
+    "fp32": (4, 4, 8),            # float32 Adam: the weights are their own master copy
+}
+PRECISION = "mixed"
+RECOMPUTE = ("none", "selective", "full")
+_SHARDED = {0: (), 1: (2,), 2: (1, 2), 3: (0, 1, 2)}  # ZeRO stage -> sharded parts
 
 
 @dataclass(frozen=True)
@@ -126,24 +158,49 @@ class Cluster:
 @dataclass(frozen=True)
 class Plan:
     """``data`` x ``tensor`` x ``pipeline`` GPUs; ZeRO stage ``zero`` (0-3) over the data
-    replicas; micro-batches of ``microbatch`` sequences; full activation recomputation or not."""
+    replicas; micro-batches of ``microbatch`` sequences; ``recompute`` one of ``RECOMPUTE``;
+    ``sequence_parallel`` (needs ``tensor > 1``); ``interleave`` chunks per pipeline device (1:
+    plain 1F1B; more needs ``pipeline > 1``); ``overlap`` of the data-parallel traffic with the
+    compute."""
 
     data: int
     tensor: int
     pipeline: int
     zero: int = 0
     microbatch: int = 1
-    recompute: bool = True
+    recompute: str = "full"
+    sequence_parallel: bool = False
+    interleave: int = 1
+    overlap: bool = False
 
     def __post_init__(self):
-        for name in ("data", "tensor", "pipeline", "microbatch"):
+        for name in ("data", "tensor", "pipeline", "microbatch", "interleave"):
             checks.positive_int(name, getattr(self, name))
         checks.one_of("zero", self.zero, (0, 1, 2, 3))
-        checks.one_of("recompute", self.recompute, (True, False))
+        if self.recompute not in RECOMPUTE:  # True == 1: refuse bools before comparing
+            raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got "
+                             f"{self.recompute!r}")
+        for name in ("sequence_parallel", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError("sequence_parallel splits the tensor group's replicated regions: "
+                             "it needs tensor > 1, got tensor=1")
+        if self.interleave > 1 and self.pipeline == 1:
+            raise ValueError(f"interleave={self.interleave} chunks need a pipeline "
+                             "(pipeline > 1), got pipeline=1")
 
     @property
     def gpus(self) -> int:
         return self.data * self.tensor * self.pipeline
+
+    @property
+    def label(self) -> str:
+        """A short description, e.g. ``'d8 t4 p2 ZeRO 1 b1 recompute full, sp, v2, overlap'``."""
+        extras = [f"recompute {self.recompute}"] + ["sp"] * self.sequence_parallel + (
+            [f"v{self.interleave}"] if self.interleave > 1 else []) + ["overlap"] * self.overlap
+        return (f"d{self.data} t{self.tensor} p{self.pipeline} ZeRO {self.zero} "
+                f"b{self.microbatch} " + ", ".join(extras))
 
 
 @dataclass(frozen=True)
@@ -162,8 +219,8 @@ class Memory:
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds of one step and its parts; ``tflops_per_gpu``: the FLOPs the plan does (eq. 3
-    with recomputation, as the paper counts) per GPU and second."""
+    """Seconds of one step and its parts; ``tflops_per_gpu``: the FLOPs the plan executes
+    (``step_flops``: eq. 3 with full recomputation, as the paper counts) per GPU and second."""
 
     step_s: float
     compute_s: float
@@ -192,19 +249,47 @@ def stage_parameters(model: Transformer, plan: Plan) -> int:
             + model.vocab * model.hidden // plan.tensor + model.seq * model.hidden)
 
 
-def state_bytes(params: float, precision: str = "mixed", zero: int = 0,
+def _precision(precision: str) -> tuple[int, int, int]:
+    checks.one_of("precision", precision, STATE_BYTES)
+    return STATE_BYTES[precision]
+
+
+def state_bytes(params: float, precision: str = PRECISION, zero: int = 0,
                 data: int = 1) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes of ``params`` parameters with Adam, ZeRO stage
-    ``zero`` sharding them over ``data`` replicas: ``accel.costmodel.zero``'s formulas
+    """(weights, gradients, optimizer) bytes of ``params`` parameters with Adam at
+    ``STATE_BYTES[precision]``, ZeRO stage ``zero`` sharding them over ``data`` replicas
     (Rajbhandari et al. 2019: stage 1 the optimizer states, 2 also the gradients, 3 also the
-    weights)."""
-    z = zero_bytes_per_device(checks.positive_int("params", params), data, zero, precision)
-    return z["weights"], z["grads"], z["optimizer"]
+    weights; ``params / data`` each, no padding)."""
+    params = checks.positive_int("params", params)
+    data = checks.positive_int("data", data)
+    checks.one_of("zero", zero, (0, 1, 2, 3))
+    per = _precision(precision)
+    out = tuple(b * (params / data if i in _SHARDED[zero] else params) for i, b in enumerate(per))
+    return out[0], out[1], out[2]
 
 
-def _block_flops(model: Transformer, batch: int, recompute: bool) -> float:
-    """One block's FLOPs: ``24 b s h^2 (1 + s / 6h)`` per pass, 4 passes with recomputation."""
-    return layer_flops(batch, model.seq, model.hidden, passes=4 if recompute else 3)
+def layer_activations(model: Transformer, plan: Plan) -> tuple[float, float]:
+    """(kept, whole): 16-bit bytes one layer keeps for the backward pass per micro-batch under
+    ``plan``'s recomputation and sequence parallelism (Korthikanti et al. 2022, Table 2), and
+    what it holds while its forward is recomputed (the ``"none"`` row)."""
+    s, b, h, a, t = model.seq, plan.microbatch, model.hidden, model.heads, plan.tensor
+    sbh, attn = s * b * h, 5 * a * s / (h * t)
+    if plan.sequence_parallel:
+        whole, selective, inputs = sbh * (34 / t + attn), 34 * sbh / t, 2 * sbh / t
+    else:
+        whole, selective, inputs = sbh * (10 + 24 / t + attn), sbh * (10 + 24 / t), 2 * sbh
+    kept = {"none": whole, "selective": selective, "full": inputs}[plan.recompute]
+    return kept, whole
+
+
+def _block_flops(model: Transformer, batch: int, recompute: str) -> float:
+    """One block's FLOPs on ``batch`` sequences: ``24 b s h^2 (1 + s / 6h)`` per pass, 3 passes
+    (4 with full recomputation), plus attention's core ``4 b s^2 h`` again with selective."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {recompute!r}")
+    passes = 4 if recompute == "full" else 3
+    core = 4 * batch * model.seq ** 2 * model.hidden if recompute == "selective" else 0
+    return layer_flops(batch, model.seq, model.hidden, passes=passes) + core
 
 
 def _logit_flops(model: Transformer, batch: int) -> float:
@@ -213,7 +298,7 @@ def _logit_flops(model: Transformer, batch: int) -> float:
 
 
 def stage_state_bytes(layer_params: Sequence[int], balance: Sequence[int],
-                      precision: str = "mixed", zero: int = 0,
+                      precision: str = PRECISION, zero: int = 0,
                       data: int = 1) -> list[tuple[float, float, float]]:
     """(weights, gradients, optimizer) bytes of each stage of any layered model: layer ``i``
     has ``layer_params[i]`` parameters, stage ``j`` the next ``balance[j]`` layers."""
@@ -228,8 +313,8 @@ def stage_state_bytes(layer_params: Sequence[int], balance: Sequence[int],
     return out
 
 
-def step_flops(model: Transformer, batch: int, recompute: bool = True) -> float:
-    """FLOPs of one step on ``batch`` sequences (eq. 3 with recomputation)."""
+def step_flops(model: Transformer, batch: int, recompute: str = "full") -> float:
+    """FLOPs one step on ``batch`` sequences executes (eq. 3 with full recomputation)."""
     return model.layers * _block_flops(model, batch, recompute) + _logit_flops(model, batch)
 
 
@@ -242,7 +327,25 @@ def microbatches(plan: Plan, batch: int) -> int:
     return batch // per
 
 
-def _check(model: Transformer, cluster: Cluster | None, plan: Plan) -> None:
+def dp_bytes(params: int, data: int, zero: int, microbatches: int = 1,
+             precision: str = PRECISION) -> float:
+    """Bytes one device sends per step for the data-parallel traffic of ``params`` parameters
+    over ``data`` replicas (ring collectives, ``(d - 1) / d`` of the tensor per reduce-scatter
+    or all-gather): ZeRO 0 an all-reduce of the gradients; ZeRO 1 a reduce-scatter of the
+    gradients and an all-gather of the weights; ZeRO 2 a reduce-scatter per micro-batch and one
+    all-gather; ZeRO 3 per micro-batch two all-gathers and a reduce-scatter. Gradients move at
+    the gradients' bytes of ``STATE_BYTES[precision]``, weights at the weights'."""
+    params, data = checks.positive_int("params", params), checks.positive_int("data", data)
+    m = checks.positive_int("microbatches", microbatches)
+    checks.one_of("zero", zero, (0, 1, 2, 3))
+    w, g, _ = _precision(precision)
+    rs, ag = BUS_FACTORS["reduce_scatter"](data), BUS_FACTORS["all_gather"](data)
+    per_param = {0: rs * g + ag * g, 1: rs * g + ag * w, 2: m * rs * g + ag * w,
+                 3: m * (rs * g + 2 * ag * w)}[zero]
+    return per_param * params
+
+
+def _check(model: Transformer, cluster: Cluster | None, plan: Plan, batch: int) -> int:
     if cluster is not None and plan.gpus != cluster.gpus:
         raise ValueError(f"plan data={plan.data} x tensor={plan.tensor} x pipeline="
                          f"{plan.pipeline} = {plan.gpus} GPUs, but the cluster has {cluster.gpus}")
@@ -250,20 +353,29 @@ def _check(model: Transformer, cluster: Cluster | None, plan: Plan) -> None:
         raise ValueError(f"tensor={plan.tensor} does not divide heads={model.heads}")
     if plan.pipeline > model.layers:
         raise ValueError(f"pipeline={plan.pipeline} stages for {model.layers} layers")
+    m = microbatches(plan, batch)
+    if plan.interleave > 1:
+        p, v = plan.pipeline, plan.interleave
+        if model.layers % (p * v):
+            raise ValueError(f"interleave={v} x pipeline={p} chunks do not split "
+                             f"{model.layers} layers evenly")
+        if m % p:  # Megatron-LM's interleaved schedule refuses it
+            raise ValueError(f"interleave={v} needs the micro-batches ({m}) to be a multiple "
+                             f"of pipeline={p}")
+    return m
 
 
 def memory_per_device(model: Transformer, plan: Plan, batch: int,
-                      precision: str = "mixed") -> Memory:
+                      precision: str = PRECISION) -> Memory:
     """Bytes one device of the first stage holds under ``plan`` for a global ``batch``."""
-    _check(model, None, plan)
+    m = _check(model, None, plan, batch)
     w, g, o = state_bytes(stage_parameters(model, plan), precision, plan.zero, plan.data)
-    s, b, h = model.seq, plan.microbatch, model.hidden
-    full = layer_activation_bytes(b, s, h, model.heads, plan.tensor)
-    kept = 2 * s * b * h if plan.recompute else full
-    in_flight = stash_microbatches("1f1b", microbatches(plan, batch), plan.pipeline)
-    acts = in_flight * math.ceil(model.layers / plan.pipeline) * kept
-    acts += full if plan.recompute else 0.0
-    scale = BYTES_PER_PARAM[precision]["weights"] / 2  # the formulas count 16-bit activations
+    kept, whole = layer_activations(model, plan)
+    p, v = plan.pipeline, plan.interleave
+    in_flight = stash_microbatches("1f1b", m, p) * (1 + (p - 1) / (p * v) if v > 1 else 1)
+    acts = in_flight * math.ceil(model.layers / p) * kept
+    acts += whole if plan.recompute == "full" else 0.0
+    scale = _precision(precision)[0] / 2  # the formulas count 16-bit activations
     return Memory(w, g, o, acts * scale)
 
 
@@ -274,33 +386,35 @@ def _bandwidth(cluster: Cluster, group: int, span: int) -> float:
 
 
 def step_time(model: Transformer, cluster: Cluster, plan: Plan, batch: int,
-              precision: str = "mixed", utilization: float = UTILIZATION,
-              dp_overlap: float = 0.0, zero_overlap: float = 0.0) -> StepTime:
+              precision: str = PRECISION, utilization: float = UTILIZATION) -> StepTime:
     """Modelled seconds of one step (ranks ordered tensor, then data, then pipeline)."""
-    _check(model, cluster, plan)
+    m = _check(model, cluster, plan, batch)
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
-    for name, value in (("dp_overlap", dp_overlap), ("zero_overlap", zero_overlap)):
-        if not 0 <= value <= 1:
-            raise ValueError(f"{name} must be in [0, 1], got {value!r}")
-    t, p, d, b = plan.tensor, plan.pipeline, plan.data, plan.microbatch
-    m, itemsize = microbatches(plan, batch), BYTES_PER_PARAM[precision]["weights"]
+    t, p, d, b, v = plan.tensor, plan.pipeline, plan.data, plan.microbatch, plan.interleave
+    itemsize = _precision(precision)[0]
     rate = cluster.peak_flops * utilization
     # the slowest stage, the last: its blocks and the logit layer (Megatron-LM keeps it there)
     blocks = math.ceil(model.layers / p)
-    stage = (blocks * _block_flops(model, b, plan.recompute) + _logit_flops(model, b)) / t / rate
+    stage_flops = blocks * _block_flops(model, b, plan.recompute) + _logit_flops(model, b)
+    stage = stage_flops / t / rate
+    forward = (blocks * layer_flops(b, model.seq, model.hidden, passes=1)
+               + _logit_flops(model, b) / 3) / t / rate
     act = model.seq * b * model.hidden * itemsize
-    reduces = (6 if plan.recompute else 4) * math.ceil(model.layers / p)
+    reduces = (6 if plan.recompute == "full" else 4) * blocks
     tp = reduces * ring_all_reduce_bytes(act, t) / _bandwidth(cluster, t, 1)
-    pp_bw = _bandwidth(cluster, 2, t * d)
-    pipe = pipeline_step(stage + tp, m, p, boundary_bytes=act / t, bandwidth_bps=pp_bw)
-    sent = zero_comm_bytes_accumulated(stage_parameters(model, plan), d, plan.zero, m, precision)
-    dp = sent / _bandwidth(cluster, d, t)
-    if plan.zero < 2:
-        exposed = dp * (1 - dp_overlap)
-    else:  # prefetching hides at most zero_overlap of it, and never more than the compute
-        exposed = dp - min(zero_overlap * dp, m * stage)
-    total = pipe.step_s + exposed
+    send = 2 * (act / t) / _bandwidth(cluster, 2, t * d) if p > 1 else 0.0
+    slot = (stage + tp) / v + send
+    pipe_s = (v * m + p - 1) * slot
+    dp = dp_bytes(stage_parameters(model, plan), d, plan.zero, m, precision) / \
+        _bandwidth(cluster, d, t)
+    if not plan.overlap:
+        exposed = dp
+    elif plan.zero < 2:  # the reduction runs during the last micro-batch's backward
+        exposed = max(0.0, dp - (stage - forward))
+    else:  # prefetching hides the per-micro-batch traffic, never more than the compute
+        exposed = max(0.0, dp - m * stage)
+    total = pipe_s + exposed
     done = step_flops(model, batch, plan.recompute)
-    return StepTime(total, m * stage, m * tp, (m + p - 1) * pipe.transfer_s, pipe.bubble_s,
+    return StepTime(total, m * stage, m * tp, (v * m + p - 1) * send, (p - 1) * slot,
                     exposed, done / (cluster.gpus * total) / 1e12)

@@ -2,7 +2,7 @@
 counts on its own devices (``memory_checks``) and next to a real Keras transformer block on a
 logical device: its variables' bytes, the activations its tape keeps, the measured peak of a
 step (``keras_block_check``), the step-time terms of a few plans as a figure (a cost model: fixed
-data), and the exercise's check."""
+data), and the exercises' checks."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from accel.costmodel import planner as pl
 from accel.costmodel import plans
 from accel.memory.estimate import estimate_training_memory
 
-__all__ = ["CASES", "memory_checks", "keras_block", "keras_block_check", "figure_terms",
-           "EXERCISE", "check_exercise"]
+__all__ = ["CASES", "memory_checks", "keras_block", "keras_block_check", "fastest_layouts",
+           "figure_terms", "EXERCISES", "exercise_answer", "check_exercise"]
 
 # the chapter's two questions: name -> (model, cluster, global batch)
 CASES: dict[str, tuple[pl.Transformer, pl.Cluster, int]] = {
@@ -126,21 +126,27 @@ def keras_block_check(device: str, hidden: int = 128, heads: int = 4, seq: int =
     return out
 
 
-def figure_terms(case: str = "39.1B on 8 DGX A100", top: int = 5):
-    """Stacked bars: each term of the modelled step of the ``top`` fastest (d, t, p) layouts of
-    ``case``, each with its first-ranked ZeRO stage and recomputation choice: compute,
-    tensor-parallel all-reduces, bubble, data-parallel all-reduce."""
-    import matplotlib.pyplot as plt
-
+def fastest_layouts(case: str = "39.1B on 8 DGX A100", top: int = 5) -> list[plans.Evaluated]:
+    """The ``top`` fastest (d, t, p) layouts of ``CASES[case]`` (default search), each with its
+    first-ranked ZeRO stage, micro-batch size and recomputation choice."""
+    if case not in CASES:
+        raise ValueError(f"case must be one of {sorted(CASES)}, got {case!r}")
     model, cluster, batch = CASES[case]
-    rows = plans.rank_plans(model, cluster, batch)
     seen, picked = set(), []
-    for r in rows:
+    for r in plans.rank_plans(model, cluster, batch):
         key = (r.plan.data, r.plan.tensor, r.plan.pipeline)
         if key not in seen:
             seen.add(key)
             picked.append(r)
-    picked = picked[:top]
+    return picked[:top]
+
+
+def figure_terms(case: str = "39.1B on 8 DGX A100", top: int = 5):
+    """Stacked bars: each term of the modelled step of ``fastest_layouts(case, top)``: compute,
+    tensor-parallel all-reduces, bubble, data-parallel all-reduce."""
+    import matplotlib.pyplot as plt
+
+    picked = fastest_layouts(case, top)
     labels = [f"d{r.plan.data} t{r.plan.tensor} p{r.plan.pipeline}" for r in picked]
     terms = {"compute": [r.time.compute_s for r in picked],
              "tensor all-reduces": [r.time.tensor_s for r in picked],
@@ -158,17 +164,27 @@ def figure_terms(case: str = "39.1B on 8 DGX A100", top: int = 5):
     return fig
 
 
-# the exercise: a 13B-class model on 4 DGX A100 nodes, batch 256, the paper's settings
-EXERCISE = (pl.Transformer(40, 5120, 40, 2048, 51200), pl.Cluster.dgx_a100(nodes=4), 256)
+# the exercises: (question name) -> (model, cluster, global batch, search options, precision)
+EXERCISES: dict[str, tuple] = {
+    "18 bytes per parameter": (*CASES["39.1B on 8 DGX A100"], {}, "megatron-bf16"),
+    "later options, 18.4B": (pl.Transformer(40, 6144, 48, 2048, 51200),
+                             pl.Cluster.dgx_a100(nodes=32), 1024,
+                             dict(plans.LATER, zero_stages=(0,), overlap=(False,)), "mixed"),
+}
 
 
-def check_exercise(answer) -> str:
-    """``answer``: the (tensor, pipeline) pair the planner ranks first for ``EXERCISE`` with
-    recomputation on and no ZeRO."""
+def exercise_answer(name: str) -> tuple[int, int]:
+    """The (tensor, pipeline) pair the planner ranks first for ``EXERCISES[name]``."""
+    if name not in EXERCISES:
+        raise ValueError(f"exercise must be one of {sorted(EXERCISES)}, got {name!r}")
+    model, cluster, batch, search, precision = EXERCISES[name]
+    first = plans.rank_plans(model, cluster, batch, precision=precision, **search)[0].plan
+    return first.tensor, first.pipeline
+
+
+def check_exercise(name: str, answer) -> str:
+    """``answer``: the (tensor, pipeline) pair you predict, then find, for ``EXERCISES[name]``."""
     if answer is None:
-        return "exercise: not answered yet"
-    model, cluster, batch = EXERCISE
-    first = plans.rank_plans(model, cluster, batch, zero_stages=(0,), recompute=(True,))[0]
-    ok = tuple(answer) == (first.plan.tensor, first.plan.pipeline) if \
-        isinstance(answer, tuple | list) else False
-    return "exercise: " + ("correct" if ok else "not quite, try again")
+        return f"exercise '{name}': not answered yet"
+    ok = isinstance(answer, tuple | list) and tuple(answer) == exercise_answer(name)
+    return f"exercise '{name}': " + ("correct" if ok else "not quite, try again")

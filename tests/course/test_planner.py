@@ -1,5 +1,7 @@
-"""accel.course.planner: the planner's bytes equal the chapters' counted bytes; the exercise's
-solution; the figure draws from the cost model."""
+"""accel.course.planner: the planner's bytes equal the chapters' counted bytes; the exercises'
+solutions; the figure draws from the cost model."""
+
+import pytest
 
 from accel.costmodel import plans
 from accel.course import planner as course
@@ -27,11 +29,20 @@ def test_keras_block_bytes_on_a_device(four_devices):
     assert 0.5 < kept / planner < 2
 
 
-def test_exercise_solution():
-    assert course.check_exercise(None) == "exercise: not answered yet"
-    assert course.check_exercise((4, 1)) == "exercise: correct"
-    assert course.check_exercise((8, 1)) == "exercise: not quite, try again"
-    assert course.check_exercise("4, 1") == "exercise: not quite, try again"
+def test_exercise_solutions():
+    # 1: with 18 bytes per parameter the 39.1B case's first layout moves from (4, 2) to (4, 4)
+    name = "18 bytes per parameter"
+    assert course.check_exercise(name, None) == f"exercise '{name}': not answered yet"
+    assert course.exercise_answer(name) == (4, 4)
+    assert course.check_exercise(name, (4, 4)) == f"exercise '{name}': correct"
+    assert course.check_exercise(name, (4, 2)) == f"exercise '{name}': not quite, try again"
+    assert course.check_exercise(name, "4, 4") == f"exercise '{name}': not quite, try again"
+    # 2: the 18.4B row with the later options keeps (4, 2) ahead of the rule's (8, 1)
+    name = "later options, 18.4B"
+    assert course.exercise_answer(name) == (4, 2)
+    assert course.check_exercise(name, [4, 2]) == f"exercise '{name}': correct"
+    with pytest.raises(ValueError, match="exercise must be one of"):
+        course.check_exercise("nope", (1, 1))
 
 
 def test_figure_terms_shows_the_fastest_layouts():
@@ -41,3 +52,16 @@ def test_figure_terms_shows_the_fastest_layouts():
     rows = plans.rank_plans(model, cluster, batch)
     assert labels[0] == f"d{rows[0].plan.data} t{rows[0].plan.tensor} p{rows[0].plan.pipeline}"
     assert labels == ["d8 t4 p2", "d4 t4 p4", "d8 t8 p1"]  # as in the table above it
+
+
+def test_fastest_layouts_are_distinct_and_ranked():
+    rows = course.fastest_layouts(top=4)
+    keys = [(r.plan.data, r.plan.tensor, r.plan.pipeline) for r in rows]
+    assert len(set(keys)) == 4
+    assert [r.time.step_s for r in rows] == sorted(r.time.step_s for r in rows)
+    # the compute differs between layouts: the last stage also runs the logit layer, so the
+    # deeper pipeline (p = 4) computes longer per GPU than p = 2 and p = 1
+    by_p = {r.plan.pipeline: r.time.compute_s for r in rows}
+    assert by_p[1] < by_p[2] < by_p[4]
+    with pytest.raises(ValueError, match="case must be one of"):
+        course.fastest_layouts("nope")
