@@ -28,9 +28,9 @@ costmodel    accel.costmodel.hardware (01-)    peak FLOP/s and link bandwidths, 
                                                shared machine), bus bandwidth
              accel.costmodel.fit (13)          that model fitted to timings; measured crossovers
              accel.costmodel.zero (15)         ZeRO bytes held and sent per device; offload verdict
-             accel.costmodel.planner (16)      memory per GPU and step time of a d x t x p plan
-             accel.costmodel.plans (16)        every plan enumerated, the ones that fit ranked
-             accel.costmodel.megatron_table    the planner vs Narayanan et al. 2021, Table 1 (16)
+             accel.costmodel.planner (17)      memory per GPU and step time of a d x t x p plan
+             accel.costmodel.plans (17)        every plan enumerated, the ones that fit ranked
+             accel.costmodel.megatron_table    the planner vs Narayanan et al. 2021, Table 1 (17)
 devices      accel.devices (01)                device names, physical vs logical devices, setup()
              accel.kernels (03)                the kernel registry: op x device type x dtype
              accel.placement (02, 03)          where ops ran (placement_of), device functions,
@@ -87,7 +87,7 @@ parallel     accel.parallel.staleness (06)     the server's decision rules, reco
                                                model with a Keras optimizer; bytes held counted
              accel.parallel.offload (15)       the optimizer's state and update on a host device
              accel.parallel.accumulate (15)    gradient accumulation: k micro-steps, one update
-             accel.parallel.moe (15)           mixture of experts: routing rule, all-to-all layer
+             accel.parallel.moe (16)           mixture of experts: routing rules, all-to-all layer
 distributed  accel.distributed.cluster (12)    cluster specs, TF_CONFIG, LocalCluster: one server
                                                process per task, always ended, clear errors
              accel.distributed.replication     in-graph / between-graph x sync / async (TF1,

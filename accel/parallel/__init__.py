@@ -42,6 +42,6 @@
 - ``accel.parallel.offload`` (15): the optimizer's state and update on a host device (by hand,
   and ``Offload`` for a Keras model);
 - ``accel.parallel.accumulate`` (15): gradient accumulation, k micro-steps then one update;
-- ``accel.parallel.moe`` (15): a mixture of experts: the routing rule (pure), experts on
+- ``accel.parallel.moe`` (16): a mixture of experts: the routing rule (pure), experts on
   several devices with an all-to-all each way, the load-balancing loss; ``MoE``, a Keras layer.
 """

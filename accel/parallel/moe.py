@@ -20,6 +20,22 @@ aux_loss_weight)`` is the same layer as a Keras layer (experts with biases and a
 their variables created on their devices, the routing by ``route``, the load-balancing loss
 added with ``add_loss``), to put where a transformer block has its MLP and train with Keras's
 ``compile`` / ``fit``.
+
+Expert parallelism times data parallelism (``expert_layout``, ``moe_layer_ep_dp``): ``n`` devices
+as ``n / ep`` groups of ``ep`` consecutive devices; each group holds all ``E`` experts (``E / ep``
+per device) and routes its own tokens among its devices only; a device's experts are copies of
+the same experts on the devices at the same place in the other groups, whose gradients are
+summed across those copies (the expert-data-parallel all-reduce). ``token_matrix`` counts the
+routed choices each device sends to each device.
+
+Routing beyond capacity: ``dropless_layer`` (no capacity, no drops: ``tf.dynamic_partition`` by
+expert and one matmul per expert), ``dropless_sharded`` (the same with experts on several
+devices, an uneven all-to-all each way, its sent bytes counted from the tensors sent),
+``router_z_loss`` (ST-MoE, Zoph et al. 2022, arXiv:2202.08906), ``expert_choice_layer``
+(Zhou et al. 2022, arXiv:2202.09368: each expert picks its top-``C`` tokens) and the
+auxiliary-loss-free balancing of DeepSeek-V3 (arXiv:2412.19437, section 2.1.2; Wang et al.
+2024, arXiv:2408.15664): a per-expert bias added to the scores for the top-``k`` selection only
+(``top_k_route(probs, k, bias)``), moved by ``update_bias`` after each step.
 """
 
 from __future__ import annotations
@@ -38,7 +54,10 @@ from accel.collectives import all_to_all, check_devices, on_device, place
 from accel.devices import normalize_device
 
 __all__ = ["Routing", "capacity_of", "route", "load_balancing_loss", "load_imbalance",
-           "moe_layer", "moe_layer_sharded", "MoE"]
+           "moe_layer", "moe_layer_sharded", "MoE", "ExpertLayout", "expert_layout",
+           "place_experts", "moe_layer_ep_dp", "token_matrix", "router_z_loss", "top_k_route",
+           "expert_load", "update_bias", "dropless_layer", "dropless_sharded",
+           "expert_choice_layer"]
 
 
 @dataclass(frozen=True)
@@ -355,3 +374,293 @@ class MoE(keras.layers.Layer):
                 "activation": keras.activations.serialize(self.activation),
                 "aux_loss_weight": self.aux_loss_weight,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer)}
+
+
+# --------------------------------------------------------- expert parallelism x data parallelism
+@dataclass(frozen=True)
+class ExpertLayout:
+    """``num_experts`` experts over ``devices`` as ``ep``-way expert parallelism times
+    ``len(devices) / ep``-way data parallelism. Device ``i`` is in EP group ``i // ep`` (devices
+    ``g ep .. g ep + ep - 1``: consecutive, as one keeps an EP group inside one NVLink node); it
+    holds experts ``(i % ep) E / ep .. (i % ep + 1) E / ep - 1`` and sends its tokens only to
+    the devices of its own group; the devices at the same place in every group hold copies of
+    the same experts and sum their gradients (``expert_dp_group``)."""
+
+    num_experts: int
+    devices: tuple
+    ep: int
+
+    @property
+    def dp(self) -> int:
+        """Copies of each expert (the expert-data-parallel size)."""
+        return len(self.devices) // self.ep
+
+    @property
+    def per_device(self) -> int:
+        return self.num_experts // self.ep
+
+    def ep_group(self, i: int) -> list[int]:
+        """Indices of the devices device ``i`` exchanges tokens with (itself included)."""
+        g = i // self.ep
+        return list(range(g * self.ep, (g + 1) * self.ep))
+
+    def experts_on(self, i: int) -> list[int]:
+        """The experts device ``i`` holds."""
+        r = i % self.ep
+        return list(range(r * self.per_device, (r + 1) * self.per_device))
+
+    def expert_dp_group(self, i: int) -> list[int]:
+        """Indices of the devices that hold copies of device ``i``'s experts (itself included)."""
+        return list(range(i % self.ep, len(self.devices), self.ep))
+
+    def device_of(self, expert: int, source: int) -> int:
+        """Index of the device that runs ``expert`` for the tokens of device ``source``."""
+        return self.ep_group(source)[0] + expert // self.per_device
+
+
+def expert_layout(num_experts: int, devices: Sequence[str], ep: int) -> ExpertLayout:
+    """An ``ExpertLayout``; ``ValueError`` unless ``ep`` divides the device count and the
+    experts split evenly over ``ep`` devices."""
+    devices = check_devices(devices)
+    num_experts = checks.positive_int("num_experts", num_experts)
+    ep = checks.positive_int("ep", ep)
+    if len(devices) % ep:
+        raise ValueError(f"ep={ep} does not divide the {len(devices)} devices into EP groups")
+    if num_experts % ep:
+        raise ValueError(f"{num_experts} experts do not split over ep={ep} devices")
+    return ExpertLayout(num_experts, tuple(devices), ep)
+
+
+def place_experts(experts: Sequence, layout: ExpertLayout) -> list[list]:
+    """One copy of ``experts`` (a list of ``(w1, w2)`` arrays) per EP group, each expert's
+    variables created on the device that holds it: ``replicas[g][e]``."""
+    if len(experts) != layout.num_experts:
+        raise ValueError(f"got {len(experts)} experts for a layout of {layout.num_experts}")
+    replicas = []
+    for g in range(layout.dp):
+        copy = []
+        for e, (w1, w2) in enumerate(experts):
+            with tf.device(layout.devices[layout.device_of(e, g * layout.ep)]):
+                copy.append((tf.Variable(w1), tf.Variable(w2)))
+        replicas.append(copy)
+    return replicas
+
+
+def moe_layer_ep_dp(xs: Sequence, gate_w, replicas: Sequence, layout: ExpertLayout, k: int = 1,
+                    capacity_factor: float = 1.0):
+    """The layer on ``layout``: ``xs[i]`` is device ``i``'s group of tokens; each EP group runs
+    ``moe_layer_sharded`` on its own copy of the experts (``replicas[g]``, from
+    ``place_experts``). Returns ``(ys, routings)`` in device order."""
+    n = len(layout.devices)
+    if len(xs) != n:
+        raise ValueError(f"got {len(xs)} token groups for {n} devices")
+    if len(replicas) != layout.dp or any(len(r) != layout.num_experts for r in replicas):
+        raise ValueError(f"replicas must hold {layout.dp} copies of {layout.num_experts} experts")
+    ys, routings = [], []
+    for g in range(layout.dp):
+        idx = layout.ep_group(g * layout.ep)
+        y, r = moe_layer_sharded([xs[i] for i in idx], gate_w, replicas[g],
+                                 [layout.devices[i] for i in idx], k, capacity_factor)
+        ys += y
+        routings += r
+    return ys, routings
+
+
+def token_matrix(experts: Sequence, layout: ExpertLayout, kept: Sequence | None = None):
+    """``m[i, j]``: the routed choices of device ``i``'s tokens that go to device ``j`` (the
+    rows of the dispatch all-to-all; the combine sends the transpose back). ``experts[i]`` holds
+    device ``i``'s chosen experts (any shape); ``kept[i]`` (same shape, optional) marks the
+    choices that found a slot (``Routing.slot >= 0``): dropped ones are not sent."""
+    n = len(layout.devices)
+    if len(experts) != n or (kept is not None and len(kept) != n):
+        raise ValueError(f"need one array of chosen experts (and of kept flags) per device ({n})")
+    m = np.zeros((n, n), dtype=np.int64)
+    for i in range(n):
+        chosen = np.asarray(experts[i]).ravel()
+        mask = np.ones(chosen.shape, bool) if kept is None else np.asarray(kept[i]).ravel()
+        if chosen.size and (chosen.min() < 0 or chosen.max() >= layout.num_experts):
+            raise ValueError(f"device {i} names an expert outside 0..{layout.num_experts - 1}")
+        for e in chosen[mask]:
+            m[i, layout.device_of(int(e), i)] += 1
+    return m
+
+
+# ------------------------------------------------------------------- routing beyond capacity
+def router_z_loss(logits):
+    """ST-MoE's router z-loss (Zoph et al. 2022, arXiv:2202.08906): the mean over tokens of
+    ``logsumexp(logits)**2``. Softmax ignores a shift of a token's logits; this loss does not,
+    so it keeps the logits small (where bfloat16 still resolves them)."""
+    logits = tf.convert_to_tensor(logits)
+    if logits.shape.rank != 2:
+        raise ValueError(f"logits must be [tokens, experts], got shape {logits.shape}")
+    return tf.reduce_mean(tf.square(tf.reduce_logsumexp(logits, axis=-1)))
+
+
+def _check_k(k: int, num_experts: int) -> int:
+    k = checks.positive_int("k", k)
+    if k > num_experts:
+        raise ValueError(f"top-{k} routing needs at least {k} experts, got {num_experts}")
+    return k
+
+
+def top_k_route(probs, k: int, bias=None):
+    """Each token's ``k`` experts and their weights: the ``k`` largest of ``probs + bias``
+    (``tf.math.top_k``: ties go to the lower index; ``bias`` per expert, no gradient, ``None``
+    for none), weighted by their UNBIASED probabilities (renormalised over the chosen ``k``
+    when ``k > 1``): the bias decides who is chosen, never how much they count (DeepSeek-V3,
+    section 2.1.2). Returns ``(expert [T, k] int32, weights [T, k])``."""
+    probs = tf.convert_to_tensor(probs)
+    if probs.shape.rank != 2:
+        raise ValueError(f"probs must be [tokens, experts], got shape {probs.shape}")
+    num_experts = int(probs.shape[1])
+    k = _check_k(k, num_experts)
+    scores = probs
+    if bias is not None:
+        bias = tf.stop_gradient(tf.cast(bias, probs.dtype))
+        if bias.shape != (num_experts,):
+            raise ValueError(f"bias must have one value per expert ({num_experts}), got shape "
+                             f"{bias.shape}")
+        scores = probs + bias
+    expert = tf.math.top_k(scores, k).indices
+    chosen = tf.gather(probs, expert, batch_dims=1)
+    weights = chosen / tf.reduce_sum(chosen, axis=1, keepdims=True) if k > 1 else chosen
+    return expert, weights
+
+
+def expert_load(expert, num_experts: int) -> np.ndarray:
+    """Choices each expert received (``expert``: any array of expert indices)."""
+    num_experts = checks.positive_int("num_experts", num_experts)
+    flat = np.asarray(expert).ravel().astype(np.int64)
+    if flat.size and (flat.min() < 0 or flat.max() >= num_experts):
+        raise ValueError(f"expert indices must lie in 0..{num_experts - 1}")
+    return np.bincount(flat, minlength=num_experts)
+
+
+def update_bias(bias, load, rate: float) -> np.ndarray:
+    """The auxiliary-loss-free update after a step (Wang et al. 2024, arXiv:2408.15664,
+    Algorithm 1; DeepSeek-V3, section 2.1.2): ``bias + rate * sign(mean(load) - load)``: an
+    overloaded expert's bias falls by ``rate``, an underloaded one's rises, an exact one's
+    stays."""
+    bias = np.asarray(bias, dtype=np.float64)
+    load = np.asarray(load, dtype=np.float64)
+    if bias.ndim != 1 or load.shape != bias.shape:
+        raise ValueError(f"bias and load must both be one value per expert, got shapes "
+                         f"{bias.shape} and {load.shape}")
+    rate = checks.non_negative_number("rate", rate)
+    return bias + rate * np.sign(load.mean() - load)
+
+
+def _by_expert(x, expert, weights, experts: Sequence):
+    """Dropless compute on one device: each (token, choice) pair partitioned by its expert
+    (``tf.dynamic_partition``), one matmul chain per expert on exactly its tokens, each output
+    weighted and summed back into its token's row (``tf.math.unsorted_segment_sum``)."""
+    tokens, k = tf.shape(x)[0], int(expert.shape[1])
+    choice_token = tf.repeat(tf.range(tokens), k)  # the token of each (token, choice) pair
+    flat_w = tf.reshape(weights, [-1])
+    parts = tf.dynamic_partition(tf.range(tokens * k), tf.reshape(expert, [-1]), len(experts))
+    outs, rows = [], []
+    for e, pairs in enumerate(parts):
+        t = tf.gather(choice_token, pairs)
+        outs.append(_expert(tf.gather(x, t), *experts[e]) * tf.gather(flat_w, pairs)[:, None])
+        rows.append(t)
+    return tf.math.unsorted_segment_sum(tf.concat(outs, 0), tf.concat(rows, 0), tokens)
+
+
+def dropless_layer(x, gate_w, experts: Sequence, k: int = 1, bias=None):
+    """The layer with no capacity: every token reaches its ``k`` experts (``top_k_route``,
+    optionally with a balancing ``bias``), each expert runs one matmul chain on exactly its
+    tokens. Returns ``(y, expert [T, k], logits)``; gradients reach ``x``, the gate and every
+    expert through the gate's weights."""
+    num_experts = len(experts)
+    k = _check_k(k, num_experts)
+    logits = tf.matmul(x, gate_w)
+    if logits.shape[-1] != num_experts:
+        raise ValueError(f"gate_w scores {logits.shape[-1]} experts, got {num_experts}")
+    expert, weights = top_k_route(tf.nn.softmax(logits), k, bias)
+    return _by_expert(x, expert, weights, experts), expert, logits
+
+
+def dropless_sharded(xs: Sequence, gate_w, experts: Sequence, devices: Sequence[str], k: int = 1,
+                     bias=None):
+    """``dropless_layer`` with expert ``e`` on ``devices[e // (E / n)]`` and ``xs[i]`` the
+    tokens of ``devices[i]``. Each device routes its tokens, partitions its (token, choice)
+    pairs by destination device and sends each part there (an uneven all-to-all: the parts
+    differ in size); the destination runs its experts and sends the outputs back, where they are
+    weighted and summed. Dropless routing does not depend on how tokens are grouped, so this
+    equals ``dropless_layer`` on all tokens at once. Returns ``(ys, experts_per_device, sent)``
+    with ``sent[i, j]`` the bytes of activations device ``i`` sent to device ``j != i`` in the
+    dispatch (from the shapes of the tensors sent; the combine sends as many back, and each
+    choice's expert index, one int32, travels with it)."""
+    devices = check_devices(devices)
+    n, num_experts = len(devices), len(experts)
+    k = _check_k(k, num_experts)
+    if num_experts % n:
+        raise ValueError(f"{num_experts} experts do not split over {n} devices")
+    if len(xs) != n:
+        raise ValueError(f"got {len(xs)} token groups for {n} devices")
+    per = num_experts // n
+    sent = np.zeros((n, n), dtype=np.int64)
+    inbox = [[None] * n for _ in range(n)]  # inbox[j][i]: (tokens, local experts) from i
+    state = []
+    for i, d in enumerate(devices):
+        with tf.device(d):
+            probs = tf.nn.softmax(tf.matmul(xs[i], gate_w))
+            expert, weights = top_k_route(probs, k, bias)
+            flat_e = tf.reshape(expert, [-1])
+            pair_token = tf.repeat(tf.range(tf.shape(xs[i])[0]), k)
+            pairs = tf.dynamic_partition(tf.range(tf.size(flat_e)), flat_e // per, n)
+            out_rows = [tf.gather(xs[i], tf.gather(pair_token, p)) for p in pairs]
+            out_local = [tf.gather(flat_e, p) - j * per for j, p in enumerate(pairs)]
+        state.append((expert, weights, pair_token, pairs))
+        for j, dj in enumerate(devices):
+            with tf.device(dj):  # the send: a copy placed on the destination
+                rows, local = tf.identity(out_rows[j]), tf.identity(out_local[j])
+            if j != i:
+                sent[i, j] += rows.shape[0] * rows.shape[1] * rows.dtype.size
+            inbox[j][i] = (rows, local)
+    back = [[None] * n for _ in range(n)]  # back[i][j]: outputs for device i's pairs sent to j
+    for j, dj in enumerate(devices):
+        with tf.device(dj):
+            rows = tf.concat([inbox[j][i][0] for i in range(n)], 0)
+            local = tf.concat([inbox[j][i][1] for i in range(n)], 0)
+            parts = tf.dynamic_partition(tf.range(tf.shape(rows)[0]), local, per)
+            outs = [_expert(tf.gather(rows, p), *experts[j * per + e]) for e, p in
+                    enumerate(parts)]
+            out = tf.dynamic_stitch(parts, outs)  # back in arrival order
+            sizes = [tf.shape(inbox[j][i][0])[0] for i in range(n)]
+            for i, part in enumerate(tf.split(out, tf.stack(sizes), num=n)):
+                back[i][j] = part
+    ys = []
+    for i, d in enumerate(devices):
+        expert, weights, pair_token, pairs = state[i]
+        with tf.device(d):  # the combine's receive, then the weighted sum per token
+            outs = tf.concat([tf.identity(back[i][j]) for j in range(n)], 0)
+            order = tf.concat(pairs, 0)
+            w = tf.gather(tf.reshape(weights, [-1]), order)[:, None]
+            ys.append(tf.math.unsorted_segment_sum(outs * w, tf.gather(pair_token, order),
+                                                   tf.shape(xs[i])[0]))
+    return ys, [s[0] for s in state], sent
+
+
+def expert_choice_layer(x, gate_w, experts: Sequence, capacity_factor: float = 2.0):
+    """Expert-choice routing (Zhou et al. 2022, arXiv:2202.09368): the token-to-expert
+    probabilities ``S = softmax(x gate_w)`` (over experts, per token), then EACH EXPERT takes
+    the ``C = capacity_of(T, E, 1, capacity_factor)`` tokens it scores highest
+    (``tf.math.top_k`` of ``S``'s transpose; ties to the lower token index) and weights its
+    output for token ``t`` by ``S[t, e]``. Every expert gets exactly ``C`` tokens; a token may get
+    several experts or none. Returns ``(y, tokens [E, C])``."""
+    num_experts = len(experts)
+    tokens = int(x.shape[0])
+    cap = capacity_of(tokens, num_experts, 1, capacity_factor)
+    if cap > tokens:
+        raise ValueError(f"capacity_factor={capacity_factor} asks each expert for {cap} of "
+                         f"{tokens} tokens; at most {num_experts} (every expert takes every "
+                         f"token)")
+    probs = tf.nn.softmax(tf.matmul(x, gate_w))
+    if probs.shape[-1] != num_experts:
+        raise ValueError(f"gate_w scores {probs.shape[-1]} experts, got {num_experts}")
+    gates, chosen = tf.math.top_k(tf.transpose(probs), cap)  # [E, C] each
+    outs = [_expert(tf.gather(x, chosen[e]), *experts[e]) * gates[e][:, None]
+            for e in range(num_experts)]
+    return tf.math.unsorted_segment_sum(tf.concat(outs, 0), tf.reshape(chosen, [-1]),
+                                        tokens), chosen

@@ -1,0 +1,283 @@
+"""Chapter 16 (mixture of experts): the small problem the chapter routes, the alpha-beta model
+of the all-to-all on cited links, the small training run that compares load balancing with no
+balancing, with the auxiliary loss and with the bias of DeepSeek-V3, and the exercise checks
+(each returns "exercise N: not answered yet" for the placeholder the stored notebook holds).
+
+Every time below is a MODEL (arithmetic on figures passed in or cited in
+``accel.costmodel.hardware``), never a measurement: between logical devices of one process a
+transfer shares the sender's buffer, so a timing there would measure scheduling, not links.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from accel import checks
+from accel.costmodel.hardware import bits_per_element, link_bandwidth, peak_flops
+from accel.parallel import moe
+
+__all__ = ["problem_inputs", "small_problem", "all_to_all_time", "DEEPSEEK_V3",
+           "dispatch_rows", "balancing_run", "figure_balance", "CAPACITY_BUDGET",
+           "capacity_answer", "check_capacity", "IB_QUESTION", "ib_bytes_answer",
+           "check_ib_bytes", "check_bias_rate"]
+
+
+def problem_inputs(tokens: int = 64, width: int = 8, num_experts: int = 4, seed: int = 3):
+    """The small problem's tokens ``x`` [tokens, width] and gate [width, E] (float64 arrays),
+    drawn first from ``numpy.random.default_rng(seed)``."""
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(tokens, width)), rng.normal(size=(width, num_experts)), rng
+
+
+def small_problem(devices: Sequence[str], tokens: int = 64, width: int = 8, hidden: int = 16,
+                  num_experts: int = 4, seed: int = 3):
+    """``(x, gate, experts)``: ``problem_inputs`` as a tensor and a variable, and ``num_experts``
+    ReLU experts ``(w1, w2)`` (variables; expert ``e`` on ``devices[e % len(devices)]``)."""
+    x, gate, rng = problem_inputs(tokens, width, num_experts, seed)
+    experts = []
+    for e in range(num_experts):
+        with tf.device(devices[e % len(devices)]):
+            experts.append((tf.Variable(rng.normal(size=(width, hidden)) / 3),
+                            tf.Variable(rng.normal(size=(hidden, width)) / 3)))
+    return tf.constant(x), tf.Variable(gate), experts
+
+
+def all_to_all_time(nbytes: float, n: int, latency_s: float, bandwidth_bps: float) -> float:
+    """Modelled seconds of one all-to-all in which each of ``n`` devices sends ``nbytes`` in all
+    to the others: chapter 13's one-port alpha-beta model with direct sends (``n - 1`` messages
+    one after another on each device's link, ``accel.costmodel.collectives``), so
+    ``(n - 1) * latency + nbytes / bandwidth``. For an even all-to-all of ``S``-byte tensors
+    ``nbytes`` is ``(n - 1) / n * S`` (``BUS_FACTORS["all_to_all"]`` there)."""
+    n = checks.positive_int("n", n)
+    nbytes = checks.non_negative_number("nbytes", nbytes)
+    latency_s = checks.non_negative_number("latency_s", latency_s)
+    bandwidth_bps = checks.positive_number("bandwidth_bps", bandwidth_bps)
+    return (n - 1) * latency_s + nbytes / bandwidth_bps
+
+
+# DeepSeek-V3's MoE layer (arXiv:2412.19437; its inference/configs/config_671B.json): width 7168,
+# 256 routed experts of hidden 2048 (SwiGLU: three matrices) + 1 shared, top-8, at most 4
+# nodes per token; dispatch in FP8 with one scale per 128 values, combine in BF16 (section 3.3)
+DEEPSEEK_V3 = {"width": 7168, "expert_hidden": 2048, "routed": 256, "shared": 1, "k": 8,
+               "max_nodes": 4}
+
+
+def dispatch_rows(tokens: int = 4096, gpus_per_node: int = 8, nodes: int = 8,
+                  utilization: float = 0.5, nvlink_latency_s: float = 5e-6,
+                  ib_latency_s: float = 10e-6) -> list[dict]:
+    """One MoE layer of DeepSeek-V3's shape (``DEEPSEEK_V3``) on H100 nodes, ``tokens`` per GPU
+    routed uniformly: for three layouts, the bytes one GPU sends on its slowest link in the
+    forward pass (dispatch in FP8 with its scales, ``bits_per_element("FP8, 1x128 tiles")``,
+    plus combine in BF16) and their modelled time (``all_to_all_time``, once each way),
+    beside the experts' forward compute at ``utilization`` of the H100's dense BF16 peak.
+
+    * EP inside one node: ``gpus_per_node`` GPUs over NVLink 4; a token's copy for an expert on
+      another GPU of the node crosses NVLink: ``(g - 1) / g`` of the ``tokens * k`` copies.
+    * EP over ``nodes`` nodes, a copy per (token, expert): ``(N g - g) / (N g)`` of the copies
+      cross InfiniBand NDR (one 400 Gb/s adapter per GPU, as in a DGX H100).
+    * The same, one copy per token and remote node, at most ``max_nodes`` nodes per token
+      (DeepSeek-V3's node-limited routing, section 2.1.2; forwarded inside the node over
+      NVLink, section 3.2.2): at most ``max_nodes`` copies per token cross InfiniBand.
+
+    Latencies are assumed values. The ratio of all-to-all time to compute does not depend on
+    ``tokens`` (both grow with it) beyond the latency terms."""
+    tokens = checks.positive_int("tokens", tokens)
+    g, nn = checks.positive_int("gpus_per_node", gpus_per_node), checks.positive_int("nodes",
+                                                                                       nodes)
+    utilization = checks.positive_number("utilization", utilization)
+    m = DEEPSEEK_V3
+    per_copy = m["width"] * (bits_per_element("FP8, 1x128 tiles") / 8 + 2)  # dispatch + combine
+    copies = tokens * m["k"]
+    flops = copies * 6 * m["width"] * m["expert_hidden"]  # three matrices, 2 FLOPs per MAC
+    compute = flops / (utilization * peak_flops("NVIDIA H100 SXM", "bf16"))
+    nvlink, ib = link_bandwidth("NVLink 4 (H100, per GPU)"), link_bandwidth(
+        "InfiniBand NDR (400 Gb/s)")
+    cases = [
+        (f"EP={g}, one node", "NVLink 4", copies * (g - 1) / g, g, nvlink_latency_s, nvlink),
+        (f"EP={nn * g}, {nn} nodes, a copy per expert", "IB NDR",
+         copies * (nn * g - g) / (nn * g), nn * g - g + 1, ib_latency_s, ib),
+        (f"EP={nn * g}, {nn} nodes, a copy per node, <= {m['max_nodes']} nodes", "IB NDR",
+         tokens * min(m["max_nodes"], nn - 1), nn, ib_latency_s, ib),
+    ]
+    rows = []
+    for name, link, sent_copies, n, alpha, bw in cases:
+        nbytes = sent_copies * per_copy
+        half = sent_copies * m["width"]  # elements each way
+        t = (all_to_all_time(half * bits_per_element("FP8, 1x128 tiles") / 8, n, alpha, bw)
+             + all_to_all_time(half * 2, n, alpha, bw))
+        rows.append({"layout": name, "link": link, "bytes": nbytes, "time_s": t,
+                     "compute_s": compute})
+    return rows
+
+
+def balancing_run(method: str, steps: int = 50, tokens: int = 256, width: int = 8,
+                  num_experts: int = 8, k: int = 2, hidden: int = 16, aux_weight: float = 1.0,
+                  rate: float = 0.01, lr: float = 0.05, skew: float = 2.0,
+                  seed: int = 0) -> dict:
+    """Train a small dropless MoE layer (``moe.dropless_layer``, residual ``x + moe(x)``,
+    target ``tanh(x A)``, SGD, float64) for ``steps`` steps on fresh batches chosen by step
+    number, its gate started with every token drawn towards expert 0 (feature 0 is 1 for every
+    token, and ``gate[0, 0]`` gets ``+skew``). ``method``: ``"none"`` (task loss only),
+    ``"aux"`` (plus ``aux_weight`` times Switch Transformer's loss on the first choices, as
+    GShard counts them) or ``"bias"`` (DeepSeek-V3's bias on the selection, moved by ``rate``
+    after each step by ``moe.update_bias``). Returns ``{"load": [steps, E] choices per expert,
+    "loss": [steps] task loss}``; deterministic."""
+    checks.one_of("method", method, ("none", "aux", "bias"))
+    steps = checks.positive_int("steps", steps)
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(width, width))
+    xs = rng.normal(size=(steps, tokens, width))
+    xs[:, :, 0] = 1.0
+    g0 = rng.normal(size=(width, num_experts)) * 0.5
+    g0[0, 0] += skew
+    gate = tf.Variable(g0)
+    experts = [(tf.Variable(rng.normal(size=(width, hidden)) / np.sqrt(width)),
+                tf.Variable(rng.normal(size=(hidden, width)) / np.sqrt(hidden)))
+               for _ in range(num_experts)]
+    weights = [gate] + [w for pair in experts for w in pair]
+    sgd = keras.optimizers.SGD(lr)
+    bias = np.zeros(num_experts)
+    loads, losses = [], []
+    for s in range(steps):
+        x, y = tf.constant(xs[s]), tf.constant(np.tanh(xs[s] @ a))
+        with tf.GradientTape() as tape:
+            out, expert, logits = moe.dropless_layer(x, gate, experts, k,
+                                                     bias if method == "bias" else None)
+            loss = tf.reduce_mean(tf.square(x + out - y))
+            total = loss
+            if method == "aux":
+                probs = tf.nn.softmax(logits)
+                total += aux_weight * moe.load_balancing_loss(probs, expert[:, 0], num_experts)
+        sgd.apply_gradients(zip(tape.gradient(total, weights), weights, strict=True))
+        load = moe.expert_load(expert.numpy(), num_experts)
+        if method == "bias":
+            bias = moe.update_bias(bias, load, rate)
+        loads.append(load)
+        losses.append(float(loss))
+    return {"load": np.array(loads), "loss": np.array(losses)}
+
+
+def figure_balance(runs: dict):
+    """The busiest expert's load over the mean, step by step, one line per run."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for name, run in runs.items():
+        load = run["load"]
+        ax.plot(load.max(1) / load.mean(1), label=name)
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("busiest expert / mean load")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------- exercises
+CAPACITY_BUDGET = {"k": 2, "groups": 4, "max_dropped_share": 0.05, "step": 0.05}
+
+
+def _dropped(factor: float) -> tuple[int, int]:
+    """Choices dropped (and made) by top-2 routing of the small problem in 4 groups."""
+    x, gate, _ = problem_inputs()
+    b = CAPACITY_BUDGET
+    dropped = made = 0
+    for xg in np.split(x, b["groups"]):
+        logits = xg @ gate
+        probs = np.exp(logits - logits.max(1, keepdims=True))
+        probs /= probs.sum(1, keepdims=True)
+        cap = moe.capacity_of(len(xg), gate.shape[1], b["k"], factor)
+        dropped += moe.route(probs, b["k"], cap).dropped
+        made += len(xg) * b["k"]
+    return dropped, made
+
+
+def capacity_answer() -> float:
+    """The smallest capacity factor on the grid of ``CAPACITY_BUDGET["step"]`` that keeps the
+    dropped choices within the budget."""
+    b = CAPACITY_BUDGET
+    for i in range(1, 200):
+        f = round(i * b["step"], 10)
+        dropped, made = _dropped(f)
+        if dropped <= b["max_dropped_share"] * made:
+            return f
+    raise RuntimeError("no capacity factor below 10 meets the budget")
+
+
+def check_capacity(answer) -> str:
+    """Exercise 1: the smallest capacity factor (a multiple of 0.05) that drops at most 5% of
+    the small problem's top-2 choices (4 groups)."""
+    if answer is None:
+        return "exercise 1: not answered yet"
+    if isinstance(answer, bool) or not isinstance(answer, int | float) or answer <= 0:
+        return f"exercise 1: not quite: give a capacity factor > 0, got {answer!r}"
+    dropped, made = _dropped(float(answer))
+    best = capacity_answer()
+    if dropped > CAPACITY_BUDGET["max_dropped_share"] * made:
+        return (f"exercise 1: not yet: factor {answer} drops {dropped} of {made} choices, over "
+                "the 5% budget")
+    if float(answer) > best + 1e-9:
+        return (f"exercise 1: not yet: {answer} meets the budget ({dropped} of {made} dropped) "
+                "but a smaller factor does too; every slot beyond it is padding that costs "
+                "compute and all-to-all bytes")
+    return (f"exercise 1: correct: {answer} drops {dropped} of {made} choices; the slots it "
+            "reserves beyond the tokens routed are the price of a fixed shape")
+
+
+IB_QUESTION = {"gpus": 16, "gpus_per_node": 4, "experts": 64, "k": 2, "tokens": 1024,
+               "width": 4096, "bytes_per_value": 2}
+
+
+def ib_bytes_answer() -> tuple[int, int]:
+    """Bytes one GPU sends over InfiniBand in one dispatch, uniform routing: (EP=16 over the 4
+    nodes, EP=4 inside each node). EP=16: each of the ``tokens * k`` copies goes to one of 16
+    GPUs, 12 of them in other nodes. EP=4 in a node: every copy stays in the node."""
+    q = IB_QUESTION
+    copies = q["tokens"] * q["k"]
+    remote = (q["gpus"] - q["gpus_per_node"]) / q["gpus"]
+    return int(copies * remote * q["width"] * q["bytes_per_value"]), 0
+
+
+def check_ib_bytes(answer) -> str:
+    """Exercise 2: ``(bytes over InfiniBand with EP=16, with EP=4 x DP=4)`` per GPU and
+    dispatch."""
+    if answer is None:
+        return "exercise 2: not answered yet"
+    if not isinstance(answer, tuple | list) or len(answer) != 2:
+        return "exercise 2: not quite: give a pair (EP=16 bytes, EP=4 x DP=4 bytes)"
+    want = ib_bytes_answer()
+    if tuple(answer) == want:
+        return ("exercise 2: correct: EP=4 keeps the all-to-all on NVLink; it pays instead with "
+                "four copies of every expert and an expert-gradient all-reduce across nodes")
+    if answer[1] != 0:
+        return ("exercise 2: not yet: with EP=4 inside a node, where does a token's copy go? "
+                "Count the InfiniBand bytes of that layout again")
+    return f"exercise 2: not yet: {answer[0]} for EP=16; count the copies that leave the node"
+
+
+def check_bias_rate(answer, runs: dict | None = None) -> str:
+    """Exercise 3: ``(slow, fast)``, each ``"better"`` or ``"worse"``: is the balance over the
+    last 10 steps better or worse than with rate 0.01 when the rate is 0.001 (DeepSeek-V3's)
+    and when it is 0.1? ``runs`` (optional) maps a rate to its ``balancing_run``."""
+    if answer is None:
+        return "exercise 3: not answered yet"
+    if not isinstance(answer, tuple | list) or len(answer) != 2 or \
+            any(a not in ("better", "worse") for a in answer):
+        return "exercise 3: not quite: give a pair, each 'better' or 'worse'"
+    runs = dict(runs or {})
+    score = {}
+    for rate in (0.01, 0.001, 0.1):
+        if rate not in runs:
+            runs[rate] = balancing_run("bias", rate=rate)
+        load = runs[rate]["load"][-10:]
+        score[rate] = float(np.mean(load.max(1) / load.mean(1)))
+    want = tuple("better" if score[r] < score[0.01] else "worse" for r in (0.001, 0.1))
+    if tuple(answer) == want:
+        return ("exercise 3: correct: too small a rate has not caught up with the skew yet; too "
+                "large a one overshoots, and the loads swing from step to step")
+    return (f"exercise 3: not yet: busiest/mean over the last 10 steps is "
+            f"{score[0.001]:.2f} (0.001), {score[0.01]:.2f} (0.01), {score[0.1]:.2f} (0.1)")

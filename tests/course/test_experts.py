@@ -1,0 +1,97 @@
+"""Chapter 16's helpers: the alpha-beta arithmetic against hand counts, the balancing run's
+claims (deterministic; the bias evens the load faster than the loss, both better than nothing),
+and the exercises: "not answered yet" for the placeholders, "correct" for the solutions written
+here, and not correct for wrong answers."""
+
+import math
+
+import numpy as np
+import pytest
+
+from accel.costmodel.collectives import BUS_FACTORS
+from accel.course import experts as course
+from accel.parallel import moe
+
+
+def test_all_to_all_time_is_the_one_port_direct_model():
+    s, n, alpha, bw = 8e6, 4, 1e-5, 1e9
+    nbytes = BUS_FACTORS["all_to_all"](n) * s  # 6e6: three quarters of S leave each device
+    assert course.all_to_all_time(nbytes, n, alpha, bw) == pytest.approx(3e-5 + 6e-3)
+    assert course.all_to_all_time(0, 1, alpha, bw) == 0.0
+    with pytest.raises(ValueError, match="bandwidth_bps must be a number > 0"):
+        course.all_to_all_time(1.0, 2, alpha, 0)
+
+
+def test_dispatch_rows_by_hand():
+    rows = course.dispatch_rows()
+    copies, width, hidden = 4096 * 8, 7168, 2048
+    per_copy = width * (8.25 / 8 + 2)  # FP8 + one FP32 scale per 128 values, then BF16
+    compute = copies * 6 * width * hidden / (0.5 * 989.4e12)
+    assert [r["compute_s"] for r in rows] == pytest.approx([compute] * 3)
+    assert rows[0]["bytes"] == pytest.approx(copies * 7 / 8 * per_copy)
+    assert rows[1]["bytes"] == pytest.approx(copies * 56 / 64 * per_copy)
+    assert rows[2]["bytes"] == pytest.approx(4096 * 4 * per_copy)
+    t0 = 2 * 7 * 5e-6 + copies * 7 / 8 * per_copy / 450e9
+    t1 = 2 * 56 * 10e-6 + copies * 56 / 64 * per_copy / 50e9
+    assert [rows[0]["time_s"], rows[1]["time_s"]] == pytest.approx([t0, t1])
+    # what the chapter says: inside a node below the compute, across nodes above it
+    assert rows[0]["time_s"] < compute < rows[2]["time_s"] < rows[1]["time_s"]
+
+
+def test_small_problem_matches_its_inputs(four_devices):
+    x, gate, experts = course.small_problem(four_devices)
+    xi, gi, _ = course.problem_inputs()
+    np.testing.assert_array_equal(x.numpy(), xi)
+    np.testing.assert_array_equal(gate.numpy(), gi)
+    assert [w1.device[-5:] for w1, _ in experts] == [d[-5:] for d in four_devices]
+
+
+def test_balancing_run_is_deterministic_and_the_bias_balances_fastest():
+    runs = {m: course.balancing_run(m, steps=30) for m in ("none", "aux", "bias")}
+    again = course.balancing_run("bias", steps=30)
+    np.testing.assert_array_equal(again["load"], runs["bias"]["load"])
+    assert all((r["load"].sum(1) == 256 * 2).all() for r in runs.values())  # every choice
+    late = {m: float(np.mean(r["load"][-10:].max(1) / r["load"][-10:].mean(1)))
+            for m, r in runs.items()}
+    assert late["bias"] < late["aux"] < late["none"]
+    fig = course.figure_balance(runs)
+    assert len(fig.axes[0].lines) == 4  # three runs and the line at 1
+
+
+def test_placeholders_are_not_answered_yet():
+    assert course.check_capacity(None) == "exercise 1: not answered yet"
+    assert course.check_ib_bytes(None) == "exercise 2: not answered yet"
+    assert course.check_bias_rate(None) == "exercise 3: not answered yet"
+
+
+def test_exercise_1_solution(four_devices):
+    best = course.capacity_answer()
+    assert course.check_capacity(best).startswith("exercise 1: correct")
+    assert "over the 5% budget" in course.check_capacity(round(best - 0.05, 2))
+    assert "a smaller factor does too" in course.check_capacity(2.0)
+    assert "not quite" in course.check_capacity("1.1")
+    # the count the check uses equals the chapter's layer (section 4's table: 14 at 1.0, 2 at
+    # 1.25), and the budget is 5% of 128 choices
+    x, gate, experts = course.small_problem(four_devices)
+    for factor in (1.0, 1.25, best, round(best - 0.05, 2)):
+        _, rs = moe.moe_layer(x, gate, experts, k=2, capacity_factor=factor, groups=4)
+        assert sum(r.dropped for r in rs) == course._dropped(factor)[0]
+    assert course._dropped(1.0)[0] == 14 and course._dropped(1.25)[0] == 2
+    assert course._dropped(best)[0] <= 0.05 * 128 < course._dropped(round(best - 0.05, 2))[0]
+
+
+def test_exercise_2_solution():
+    ep16 = 1024 * 2 * 4096 * 2 * 12 // 16  # copies x width x BF16, 12 of 16 GPUs remote
+    assert course.ib_bytes_answer() == (ep16, 0) == (12_582_912, 0)
+    assert course.check_ib_bytes((ep16, 0)).startswith("exercise 2: correct")
+    assert "where does a token's copy go" in course.check_ib_bytes((ep16, ep16 // 4))
+    assert "not yet" in course.check_ib_bytes((1024 * 2 * 4096 * 2, 0))
+    assert "not quite" in course.check_ib_bytes(ep16)
+    assert math.isclose(ep16, 1024 * 2 * 4096 * 2 * 0.75)
+
+
+def test_exercise_3_solution():
+    runs = {rate: course.balancing_run("bias", rate=rate) for rate in (0.01, 0.001, 0.1)}
+    assert course.check_bias_rate(("worse", "worse"), runs).startswith("exercise 3: correct")
+    assert "not yet" in course.check_bias_rate(("better", "worse"), runs)
+    assert "not quite" in course.check_bias_rate(("slower", "worse"), runs)
