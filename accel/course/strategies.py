@@ -1,65 +1,21 @@
-"""Chapter 14: TensorFlow's strategies side by side, what each worker reads, recovery.
+"""Chapter 14: what each worker reads, what a checkpoint interval costs, the exercises.
 
-``STRATEGIES`` is the chapter's comparison table as data (one row per strategy: where the
-variables live, what happens to the gradients, who applies the update, when to use it);
-``table_lines`` formats it. ``input_table`` turns the workers' input reports from
-``accel.distributed.strategies.run_workers`` into printable rows. ``check_resume`` and
-``check_backup_every_2_batches`` check the chapter's exercises (solutions in
-``tests/course/test_strategies.py``).
+``input_table`` turns the workers' input reports (``accel.distributed.strategies.input_report``)
+into printable rows. The checkpoint-interval models: ``young_interval`` (Young 1974, first
+order), ``daly_interval`` (Daly 2006, higher order) and ``lost_fraction`` (Daly's expected wall
+time for exponentially distributed failures, saves and restarts that can themselves be
+interrupted). ``check_resume``, ``check_backup_every_2_batches`` and ``check_lever`` check the
+chapter's exercises (solutions in ``tests/course/test_strategies.py``).
 """
 
 from __future__ import annotations
 
-__all__ = ["STRATEGIES", "table_lines", "input_table", "compact", "check_resume",
-           "check_backup_every_2_batches"]
+import math
 
-STRATEGIES: dict[str, dict[str, str]] = {
-    "default": {
-        "variables": "one copy, where you put it",
-        "gradients": "none to exchange (one replica)",
-        "updates": "by the one replica",
-        "use": "strategy-aware code on one device"},
-    "OneDeviceStrategy": {
-        "variables": "one copy on the named device",
-        "gradients": "none to exchange (one replica)",
-        "updates": "on that device",
-        "use": "testing strategy code on one chosen device"},
-    "MirroredStrategy": {
-        "variables": "a copy on every local device",
-        "gradients": "all-reduced across the devices",
-        "updates": "the same update on every copy",
-        "use": "several GPUs in one machine"},
-    "CentralStorageStrategy": {
-        "variables": "one copy, on the CPU (or the only GPU)",
-        "gradients": "sent to the CPU and summed there",
-        "updates": "once, on the central copy",
-        "use": "one machine, variables too big to copy"},
-    "MultiWorkerMirroredStrategy": {
-        "variables": "a copy on every device of every worker",
-        "gradients": "all-reduced across workers (RING, NCCL)",
-        "updates": "the same update on every copy, in step",
-        "use": "many machines; the model fits one device"},
-    "ParameterServerStrategy": {
-        "variables": "on the ps tasks (split if asked)",
-        "gradients": "each worker's own, sent to the ps",
-        "updates": "on the ps, one per step, asynchronous",
-        "use": "workers that come and go; huge or sparse variables"},
-}
+from accel import checks
 
-
-def table_lines(rows: dict[str, dict[str, str]] | None = None,
-                columns: tuple[str, ...] = ("variables", "gradients")) -> list[str]:
-    """The table as aligned text lines, one per strategy (``columns`` picks the fields)."""
-    rows = STRATEGIES if rows is None else rows
-    widths = [max(len(n) for n in rows)] + [
-        max(len(c), *(len(r[c]) for r in rows.values())) for c in columns]
-    lines = ["  ".join(t.ljust(w) for t, w in zip(("strategy", *columns), widths, strict=True))
-             .rstrip()]
-    for name, row in rows.items():
-        cells = (name, *(row[c] for c in columns))
-        lines.append("  ".join(t.ljust(w) for t, w in zip(cells, widths, strict=True)).rstrip())
-    return lines
-
+__all__ = ["input_table", "compact", "young_interval", "daly_interval", "lost_fraction",
+           "check_resume", "check_backup_every_2_batches", "check_lever"]
 
 def compact(records: list[str]) -> str:
     """``["f0:0", "f0:1", "f2:0"]`` -> ``"f0:0-1 f2:0"``: records grouped by file."""
@@ -81,6 +37,48 @@ def input_table(reports: list[dict], keys: tuple[str, ...]) -> list[str]:
     width = max(len(k) for k in keys)
     return [f"{k.ljust(width)}  " + " | ".join(
         f"worker {w}: {compact(r['input'][k])}" for w, r in enumerate(reports)) for k in keys]
+
+
+def young_interval(save_seconds: float, mtbf_seconds: float) -> float:
+    """Young's optimal compute time between checkpoints, ``sqrt(2 * save * MTBF)`` seconds
+    (J. W. Young, "A first order approximation to the optimum checkpoint interval", CACM
+    17(9), 1974): a save every ``tau`` costs ``save / tau`` of the time, a failure loses
+    ``tau / 2`` of work on average, once per MTBF; the sum is least at this ``tau``."""
+    checks.positive_number("save_seconds", save_seconds)
+    checks.positive_number("mtbf_seconds", mtbf_seconds)
+    return math.sqrt(2.0 * save_seconds * mtbf_seconds)
+
+
+def daly_interval(save_seconds: float, mtbf_seconds: float) -> float:
+    """Daly's higher-order optimum (J. T. Daly, "A higher order estimate of the optimum
+    checkpoint interval for restart dumps", FGCS 22(3), 2006):
+    ``sqrt(2 d M) * (1 + sqrt(d / 2M) / 3 + (d / 2M) / 9) - d`` for a save of ``d`` seconds
+    shorter than ``2M``, else ``M`` (the MTBF)."""
+    checks.positive_number("save_seconds", save_seconds)
+    checks.positive_number("mtbf_seconds", mtbf_seconds)
+    d, m = save_seconds, mtbf_seconds
+    if d >= 2.0 * m:
+        return m
+    xi = d / (2.0 * m)
+    return math.sqrt(2.0 * d * m) * (1.0 + math.sqrt(xi) / 3.0 + xi / 9.0) - d
+
+
+def lost_fraction(interval_seconds: float, save_seconds: float, restart_seconds: float,
+                  mtbf_seconds: float) -> float:
+    """The fraction of wall time that is not useful training when checkpointing every
+    ``interval_seconds`` of compute, each save stalling training ``save_seconds``, each failure
+    costing ``restart_seconds`` plus the work since the last save, failures arriving at random
+    (exponentially) every ``mtbf_seconds`` on average, during saves and restarts too.
+    Daly (2006): a segment of ``tau`` compute and its save take on average
+    ``M * exp(R / M) * (exp((tau + d) / M) - 1)`` seconds of wall time; the rest is
+    ``1 - tau / that``."""
+    checks.positive_number("interval_seconds", interval_seconds)
+    checks.non_negative_number("save_seconds", save_seconds)
+    checks.non_negative_number("restart_seconds", restart_seconds)
+    checks.positive_number("mtbf_seconds", mtbf_seconds)
+    m = mtbf_seconds
+    wall = m * math.exp(restart_seconds / m) * math.expm1((interval_seconds + save_seconds) / m)
+    return 1.0 - interval_seconds / wall
 
 
 def check_resume(answer) -> str:
@@ -114,3 +112,18 @@ def check_backup_every_2_batches(answer) -> str:
         return ("exercise 2: not True: look at what the backup holds after batch 6 (which "
                 "weights, which epoch) and at which batch the second fit begins")
     return f"exercise 2: answer True or False, got {answer!r}"
+
+
+def check_lever(answer) -> str:
+    """Exercise 3: the chapter's worked example with asynchronous saves (a save stalls training
+    5 s, a restart takes 600 s, MTBF from Llama 3) loses some fraction of the time; which halves
+    that loss more, ``"save"`` (a 2.5 s stall, the interval re-optimised) or ``"restart"``
+    (300 s)? The restart: once saves are cheap, the restart term ``R / M`` dominates the loss."""
+    if answer is None or answer is ...:
+        return "exercise 3: not answered yet"
+    if answer == "restart":
+        return "exercise 3: correct"
+    if answer == "save":
+        return ("exercise 3: not 'save': compute both with lost_fraction (each at its own best "
+                "interval) and compare the terms save/tau, tau/(2M) and R/M")
+    return f"exercise 3: answer 'save' or 'restart', got {answer!r}"

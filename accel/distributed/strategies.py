@@ -22,8 +22,10 @@ The ``coordinator`` entry point runs the same ``train_loop`` under ``ParameterSe
 
 ``run_workers`` starts the processes and returns their JSON reports; ``pause_at`` makes the last
 worker stop after that step, so that the caller can kill it (``fault_tolerant_run`` does: the
-survivor's next all-reduce fails after ``timeout_seconds``, then both restart from the last
-checkpoint).
+survivor's next all-reduce fails at once, since the dead peer's connections are closed, or, for
+a frozen peer, after ``timeout_seconds``; then both restart from the last checkpoint).
+``input_report`` is the input part, callable from any worker script; ``stop_workers`` ends
+worker processes once they have reported (SIGKILL: a worker catches SIGTERM).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from accel.distributed.cluster import make_cluster, parse_tf_config, tf_config
 from accel.procs import ChildFailed, report_and_linger, start_python, wait_for_reports
 
 __all__ = ["POLICIES", "run_workers", "fault_tolerant_run", "parameter_server_run",
-           "write_shard_files", "shard_rows_by_hand"]
+           "write_shard_files", "shard_rows_by_hand", "input_report", "stop_workers"]
 
 POLICIES = ("FILE", "DATA", "OFF")
 
@@ -77,6 +79,17 @@ def shard_rows_by_hand(policy: str, files: int, records: int, workers: int,
         return [[r for piece in pieces[w::workers] for r in piece] for w in range(workers)]
     return [[f"f{i}:{r}" for i in range(w, files, workers) for r in range(records)]
             for w in range(workers)]
+
+
+def stop_workers(children) -> None:
+    """End ``MultiWorkerMirroredStrategy`` worker processes at once (SIGKILL), once every one has
+    reported. SIGTERM does not end such a worker: with the coordination service on, TensorFlow
+    starts a preemption notifier that catches SIGTERM and records it as a preemption notice for
+    the cluster (``tensorflow/core/common_runtime/eager/context_distributed_manager.cc``,
+    ``PreemptionNotifier::CreatePreemptionNotifier("sigterm", ...)``), so a polite stop would
+    only wait out its grace period."""
+    for child in children:
+        child.stop(grace=0.0)
 
 
 def _spec(init, batches, learning_rate, **extra) -> dict:
@@ -126,8 +139,7 @@ def run_workers(init: list[np.ndarray], batches: list, learning_rate: float, wor
             return wait_for_reports(children[:-1], max(deadline - time.monotonic(), 0.1))
         return wait_for_reports(children, max(deadline - time.monotonic(), 0.1))
     finally:
-        for c in children:
-            c.stop()
+        stop_workers(children)
         os.unlink(f.name)
 
 
@@ -138,7 +150,9 @@ def fault_tolerant_run(init: list[np.ndarray], batches: list, learning_rate: flo
     ``kill_after`` (``hang=True``: frozen instead, killed later); the survivor's report says
     how its next collective failed; then both start again on the same addresses, resume from
     the last checkpoint and finish.
-    Returns ``{"failure": ..., "resumed_from": step, "params": [weights of each worker]}``."""
+    Returns ``{"failure": ..., "resumed_from": step, "params": [weights of each worker],
+    "before": steps the survivor completed before the failure, "after": steps of the restarted
+    run, "ready_seconds": from a restarted worker's start to the end of its first step}``."""
     checks.positive_int("every", every)
     cluster = make_cluster(ps=0, workers=2, host=host)
     with tempfile.TemporaryDirectory() as ckpt:
@@ -148,11 +162,23 @@ def fault_tolerant_run(init: list[np.ndarray], batches: list, learning_rate: flo
         second = run_workers(init, batches, learning_rate, checkpoint_dir=ckpt, every=every,
                              timeout_seconds=timeout_seconds, timeout=timeout, cluster=cluster)
     return {"failure": first[0].get("error"), "resumed_from": second[0]["start"],
-            "params": [[np.array(p, np.float32) for p in r["params"]] for r in second]}
+            "params": [[np.array(p, np.float32) for p in r["params"]] for r in second],
+            "before": first[0]["steps"], "after": second[0]["steps"],
+            "ready_seconds": max(r["ready_seconds"] for r in second)}
 
 
-def _input_report(tf, strategy, files: list[str], index: int) -> dict:
-    """What this worker's replica reads from each kind of distributed dataset."""
+def input_report(strategy, files: list[str]) -> dict:
+    """What this worker's replica reads from each kind of distributed dataset over ``files``
+    (``write_shard_files``), with a global batch of 2 per replica: ``"context"``, this worker's
+    ``[num_input_pipelines, input_pipeline_id, per-replica batch]`` from
+    ``distribute_datasets_from_function``; ``"function"``, the records that function's
+    ``shard(...)`` pipeline gave it; ``"FILE"``, ``"DATA"``, ``"OFF"``, the records
+    ``experimental_distribute_dataset`` gave it under that ``AutoShardPolicy``. Call it in every
+    worker of a ``MultiWorkerMirroredStrategy`` (it runs collectives)."""
+    import tensorflow as tf
+
+    if isinstance(files, str) or not files:
+        raise ValueError(f"files must be a non-empty list of paths, got {files!r}")
     global_batch = 2 * strategy.num_replicas_in_sync
     seen = {}
 
@@ -202,6 +228,7 @@ def _loop_args(spec: dict) -> dict:
 
 def _worker(spec: dict) -> dict:
     """One ``MultiWorkerMirroredStrategy`` worker: ``train_loop``, the chapter's one loop."""
+    began = time.monotonic()
     import tensorflow as tf
 
     from accel.parallel.strategies import train_loop
@@ -214,10 +241,14 @@ def _worker(spec: dict) -> dict:
     _, _, index = parse_tf_config(os.environ["TF_CONFIG"])
     report = {}
     if spec["shard_files"]:
-        report["input"] = _input_report(tf, strategy, spec["shard_files"], index)
+        report["input"] = input_report(strategy, spec["shard_files"])
     last = {"step": 0, "time": time.monotonic()}
+    steps: list[int] = []
 
     def after_step(s: int) -> None:
+        if not steps:
+            report["ready_seconds"] = round(time.monotonic() - began, 3)
+        steps.append(s)
         last.update(step=s, time=time.monotonic())
         if spec["pause_at"] == s and index == strategy.num_replicas_in_sync - 1:
             print(f"paused {s}", flush=True)
@@ -233,10 +264,10 @@ def _worker(spec: dict) -> dict:
         report["error"] = {"type": type(exc).__name__, "step": last["step"] + 1,
                            "message": str(exc).splitlines()[0][:300],
                            "seconds": round(time.monotonic() - last["time"], 1)}
-        report["params"] = []
+        report.update(params=[], steps=steps)
         return report
     report.update(start=run.start, params=[w.tolist() for w in run.weights],
-                  losses=run.losses)
+                  losses=run.losses, steps=steps)
     return report
 
 
@@ -251,15 +282,16 @@ def _coordinator(spec: dict) -> dict:
         tf.distribute.cluster_resolver.TFConfigClusterResolver())
     run = train_loop(strategy, **_loop_args(spec))
     return {"params": [w.tolist() for w in run.weights], "losses": run.losses,
-            "scheduled": len(run.losses), "updates": run.updates}
+            "scheduled": len(run.losses), "updates": run.updates, "taken": run.taken}
 
 
 def parameter_server_run(cluster, init: list[np.ndarray], batches: list, learning_rate: float,
                          timeout: float = 180.0) -> dict:
     """Train with ``ParameterServerStrategy`` on ``cluster`` (a running ``LocalCluster`` with a
     ``chief`` task it does not start itself: this starts it, as the coordinator process running
-    ``train_loop``). Returns ``{"params", "losses", "scheduled", "updates"}``: ``updates`` is
-    the optimizer's step counter, a variable on the ps."""
+    ``train_loop``). Returns ``{"params", "losses", "scheduled", "updates", "taken"}``:
+    ``updates`` is the optimizer's step counter, a variable on the ps; ``taken`` lists
+    ``(worker, batch)`` for each scheduled step (``LoopResult.taken``)."""
     if "chief" not in cluster.cluster or ("chief", 0) not in cluster.skip:
         raise ValueError("the cluster needs a chief task that it does not start itself "
                          "(LocalCluster(chief=True, skip=[('chief', 0)])): the coordinator")
@@ -271,9 +303,10 @@ def parameter_server_run(cluster, init: list[np.ndarray], batches: list, learnin
     try:
         report = wait_for_reports([child], timeout)[0]
     finally:
-        child.stop()
+        stop_workers([child])  # the coordinator catches SIGTERM too (its coordination service)
         os.unlink(f.name)
     report["params"] = [np.array(p, np.float32) for p in report["params"]]
+    report["taken"] = [tuple(t) for t in report["taken"]]
     return report
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
@@ -119,7 +119,9 @@ class LoopResult:
     losses as a ``keras.metrics.Mean`` created under the strategy saw them (``mean_loss``), and
     the trained ``model``; ``start``: the step it began at (after a resume from a checkpoint),
     ``updates``: the optimizer's update count at the end (``optimizer.iterations``, a variable on
-    the ps under ``ParameterServerStrategy``: the updates the ps really applied)."""
+    the ps under ``ParameterServerStrategy``: the updates the ps really applied); ``taken``:
+    under ``ParameterServerStrategy``, one ``(worker, batch)`` per scheduled step, in the order
+    they were scheduled: which worker ran it and which global batch (1-based) it trained on."""
 
     weights: list
     losses: list
@@ -127,6 +129,7 @@ class LoopResult:
     model: object
     start: int = 0
     updates: int = 0
+    taken: list = field(default_factory=list)
 
 
 def is_parameter_server(strategy: tf.distribute.Strategy) -> bool:
@@ -174,8 +177,9 @@ def train_loop(strategy: tf.distribute.Strategy, make_model: Callable[[], tf.ker
     Under ``ParameterServerStrategy`` (run in the coordinator): the step is scheduled ``steps``
     times with ``ClusterCoordinator.schedule``; each call takes the next batch of the worker it
     lands on (``create_per_worker_dataset``: every worker iterates the same dataset on its own,
-    TensorFlow does not split it between them), and ``coordinator.join()`` waits for all.
-    Checkpoints and ``after_step`` are for synchronous strategies only.
+    TensorFlow does not split it between them), and ``coordinator.join()`` waits for all;
+    ``LoopResult.taken`` records which worker ran each step on which batch. Checkpoints and
+    ``after_step`` are for synchronous strategies only.
     """
     checks.positive_int("global_batch_size", global_batch_size)
     checks.positive_int("steps", steps)
@@ -212,17 +216,32 @@ def train_loop(strategy: tf.distribute.Strategy, make_model: Callable[[], tf.ker
                 .batch(per_replica, drop_remainder=True)
                 .shard(ctx.num_input_pipelines, ctx.input_pipeline_id).repeat())
 
-    losses = []
+    losses, taken = [], []
     if ps:
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+        def numbered_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+            # each element also carries its global batch's number, 1..steps (then again)
+            numbers = tf.data.Dataset.range(1, steps + 1).repeat()
+            return tf.data.Dataset.zip((dataset_fn(ctx), numbers))
+
         per_worker = coordinator.create_per_worker_dataset(
-            lambda: strategy.distribute_datasets_from_function(dataset_fn))
+            lambda: strategy.distribute_datasets_from_function(numbered_fn))
         iterator = iter(per_worker)
-        scheduled = [coordinator.schedule(tf.function(lambda it: step(next(it))), args=(iterator,))
+
+        @tf.function
+        def scheduled_step(it):
+            batch, number = next(it)
+            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+            return step(batch), number, worker
+
+        scheduled = [coordinator.schedule(scheduled_step, args=(iterator,))
                      for _ in range(steps)]
         coordinator.join()
-        for loss in scheduled:
-            losses.append(float(loss.fetch()))
+        for result in scheduled:
+            loss, number, worker = result.fetch()
+            losses.append(float(loss))
+            taken.append((int(worker), int(number)))
             mean_loss.update_state(losses[-1])
     else:
         if inputs == "dataset":
@@ -241,7 +260,8 @@ def train_loop(strategy: tf.distribute.Strategy, make_model: Callable[[], tf.ker
             if after_step is not None:
                 after_step(s)
     return LoopResult([np.asarray(w) for w in model.weights], losses,
-                      float(mean_loss.result()), model, start, int(optimizer.iterations.numpy()))
+                      float(mean_loss.result()), model, start, int(optimizer.iterations.numpy()),
+                      taken)
 
 
 def _checkpoints(strategy, model, optimizer, done, checkpoint_dir: str | None):

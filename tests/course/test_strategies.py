@@ -1,17 +1,15 @@
-"""accel.course.strategies: the chapter's table of strategies, its input table, the exercise."""
+"""accel.course.strategies: the input table, the checkpoint-interval models (against Daly's own
+worked examples and a simulation of random failures), the exercises."""
+
+import math
+
+import numpy as np
+import pytest
 
 from accel.course import strategies as course
 
 
-def test_strategy_table_covers_every_strategy_and_column():
-    assert list(course.STRATEGIES) == [
-        "default", "OneDeviceStrategy", "MirroredStrategy", "CentralStorageStrategy",
-        "MultiWorkerMirroredStrategy", "ParameterServerStrategy"]
-    lines = course.table_lines()
-    assert lines[0].split() == ["strategy", "variables", "gradients"]
-    assert course.table_lines(columns=("updates", "use"))[0].split() == [
-        "strategy", "updates", "use"]
-    assert len(lines) == 7
+def test_compact_groups_records_by_file():
     assert course.compact(["f0:0", "f0:1", "f0:2", "f2:0", "f3:1", "f3:3"]) == "f0:0-2 f2:0 f3:1,3"
 
 
@@ -38,3 +36,75 @@ def test_exercise_2_solution_and_the_fact_it_rests_on(tmp_path):
     import keras
     source = inspect.getsource(keras.callbacks.BackupAndRestore._load_model)
     assert "_initial_epoch = epoch" in source and '["batch"]' not in source
+
+
+def test_young_interval_by_hand():
+    # sqrt(2 * 5 * 1440) = sqrt(14400) = 120
+    assert course.young_interval(5.0, 1440.0) == pytest.approx(120.0)
+    assert course.young_interval(50.0, 4.0) == pytest.approx(20.0)
+
+
+def test_daly_interval_reproduces_dalys_worked_examples():
+    # Daly (2006), figs. 3-5: dump time 5 min; M = 24 h, 6 h, 15 min -> 117, 57, 9.1 min
+    assert round(course.daly_interval(5.0, 24 * 60)) == 117
+    assert round(course.daly_interval(5.0, 6 * 60)) == 57
+    assert round(course.daly_interval(5.0, 15.0), 1) == 9.1
+    assert course.daly_interval(40.0, 15.0) == 15.0  # a save longer than 2M: every M
+
+
+def simulated_lost_fraction(interval, save, restart, mtbf, segments=200_000, seed=0):
+    """Random failures (exponential) during work, saves and restarts; lost work since the
+    last save is redone: the fraction of wall time that was not useful compute."""
+    rng = np.random.default_rng(seed)
+    wall, need = 0.0, interval + save
+    for _ in range(segments):
+        while True:
+            t = rng.exponential(mtbf)
+            if t >= need:
+                wall += need
+                break
+            wall += t
+            while True:  # the restart itself may be interrupted
+                r = rng.exponential(mtbf)
+                if r >= restart:
+                    wall += restart
+                    break
+                wall += r
+    return 1.0 - segments * interval / wall
+
+
+def test_lost_fraction_matches_a_simulation_and_the_first_order_terms():
+    args = (300.0, 30.0, 120.0, 1800.0)  # failures often, so the simulation sees many
+    assert course.lost_fraction(*args) == pytest.approx(simulated_lost_fraction(*args),
+                                                        abs=0.01)
+    # far from failures the loss is save/tau + (tau/2 + R)/M to first order
+    tau, d, r, m = 600.0, 5.0, 60.0, 1e6
+    first_order = d / tau + (tau / 2 + r) / m
+    assert course.lost_fraction(tau, d, r, m) == pytest.approx(first_order, rel=0.01)
+    assert course.lost_fraction(tau, 0.0, 0.0, m) == pytest.approx(tau / 2 / m, rel=0.01)
+
+
+def test_interval_models_refuse_bad_input():
+    with pytest.raises(ValueError, match="save_seconds"):
+        course.young_interval(0.0, 100.0)
+    with pytest.raises(ValueError, match="mtbf_seconds"):
+        course.daly_interval(1.0, -1.0)
+    with pytest.raises(ValueError, match="restart_seconds"):
+        course.lost_fraction(10.0, 1.0, -1.0, 100.0)
+    with pytest.raises(ValueError, match="interval_seconds"):
+        course.lost_fraction(0.0, 1.0, 1.0, 100.0)
+
+
+def test_exercise_3_solution_and_the_numbers_it_rests_on():
+    assert course.check_lever(None) == "exercise 3: not answered yet"
+    assert course.check_lever("restart") == "exercise 3: correct"
+    assert course.check_lever("save").startswith("exercise 3: not 'save'")
+    assert "answer 'save' or 'restart'" in course.check_lever(3)
+    mtbf = 54 * 24 * 3600 / 419  # the chapter's worked example
+
+    def lost(save, restart):
+        return course.lost_fraction(course.young_interval(save, mtbf), save, restart, mtbf)
+
+    base = lost(5.0, 600.0)
+    assert lost(5.0, 300.0) < lost(2.5, 600.0) < base
+    assert math.isclose(mtbf / 3600, 3.093, abs_tol=1e-3)

@@ -73,6 +73,8 @@ def test_killed_worker_then_restart_from_checkpoint_is_bitwise_the_uninterrupted
     assert result["failure"]["step"] == 4  # the survivor's next step could not finish
     assert result["failure"]["type"] == "UnavailableError"  # the peer's process is gone
     assert result["resumed_from"] == 2  # the last checkpoint before the kill (every 2 steps)
+    assert result["before"] == [1, 2, 3] and result["after"] == [3, 4, 5, 6]  # 3 ran twice
+    assert result["ready_seconds"] > 0
     whole = [np.array(p, np.float32) for p in uninterrupted[0]["params"]]
     for params in result["params"]:
         for a, b in zip(params, whole, strict=True):
@@ -121,3 +123,60 @@ def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match="needs a chief task"):
         S.parameter_server_run(type("Cluster", (), {"cluster": {"worker": ["a"]}, "skip": []})(),
                                [], [], LR)
+
+
+@pytest.mark.slow
+def test_parameter_server_with_one_worker_is_one_device_and_records_its_batches(problem):
+    from accel.distributed import cluster as C
+
+    init, batches, ref = problem
+    with C.LocalCluster(ps=1, workers=1, chief=True, skip=[("chief", 0)]) as cluster:
+        run = S.parameter_server_run(cluster, init, batches, LR)
+    assert run["taken"] == [(0, s) for s in range(1, len(batches) + 1)]
+    assert run["scheduled"] == run["updates"] == len(batches)
+    for a, r in zip(run["params"], ref, strict=True):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6 * np.max(np.abs(r)))
+
+
+@pytest.mark.slow
+def test_parameter_server_with_two_workers_each_reads_its_own_copy_from_the_start(problem):
+    from accel.distributed import cluster as C
+
+    init, batches, _ = problem
+    with C.LocalCluster(ps=1, workers=2, chief=True, skip=[("chief", 0)]) as cluster:
+        run = S.parameter_server_run(cluster, init, batches, LR)
+    assert len(run["taken"]) == run["scheduled"] == len(batches)
+    assert {w for w, _ in run["taken"]} <= {0, 1}
+    for w in (0, 1):  # every worker's own iterator: batches 1, 2, ... in order
+        mine = [b for v, b in run["taken"] if v == w]
+        assert mine == list(range(1, len(mine) + 1))
+    assert run["updates"] <= run["scheduled"]  # Keras 3's assign_add: a read, then an assign
+
+
+def test_stop_workers_ends_a_child_that_ignores_sigterm_with_sigkill():
+    # an MWMS worker catches SIGTERM (its preemption notifier); a child doing the same
+    import signal
+    import time
+
+    from accel.procs import start_python
+
+    child = start_python(["-c", "import signal, time\n"
+                                "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                "print('ready', flush=True)\n"
+                                "time.sleep(120)"], name="stubborn", warm=False)
+    try:
+        for _ in range(600):  # up to a minute for the child to start
+            if "ready" in child.output()[0]:
+                break
+            assert child.alive()
+            time.sleep(0.1)
+    finally:
+        S.stop_workers([child])
+    assert child.popen.returncode == -signal.SIGKILL
+
+
+def test_input_report_refuses_no_files():
+    with pytest.raises(ValueError, match="files must be a non-empty list"):
+        S.input_report(None, [])
+    with pytest.raises(ValueError, match="files must be a non-empty list"):
+        S.input_report(None, "f0.txt")
