@@ -5,15 +5,15 @@
   per worker as in between-graph replication): ``coordinated_run`` starts the coordinator as its
   own process (it takes the cluster's ``chief`` task), which schedules one ``tf.function`` per
   step onto whichever worker is free; the variables live on the ps, counters there count the
-  updates applied and the functions that ran to their end. With ``kill_mid_step=True`` every
-  function, once its update is on the ps, waits at a gate (a queue on the ps) before it ends;
-  when every worker holds such a cut-off-able function, the caller kills the last worker, and
-  only then is the gate opened. The coordinator runs the killed worker's function again on a
-  live worker (at-least-once), so its update lands twice: the ps counts one update more than
-  the functions scheduled.
+  updates applied and the functions that ran to their end. Every function, once its update is on
+  the ps, waits at a gate (a queue on the ps) before it ends (``gated_step``); the gate opens
+  once every function is scheduled (``schedule_and_join``). With ``kill_mid_step=True`` it opens
+  only when every worker holds such a function and the caller has killed the last worker. The
+  coordinator runs the killed worker's function again on a live worker (at-least-once), so its
+  update lands twice: the ps counts one update more than the functions scheduled.
 * ``MultiWorkerMirroredStrategy`` (between-graph synchronous, all-reduce, no ps):
   ``mirrored_run`` starts one process per worker with only ``TF_CONFIG`` set; each takes its
-  slice of every global batch.
+  slice of every global batch and runs ``mirrored_step``.
 
 The model is the caller's ``model_fn(params, x)`` (predictions), trained on the squared error
 as in ``accel.distributed.replication``; the processes import it by name, so it must be a
@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import tensorflow as tf
 
 from accel import training
 from accel.distributed.cluster import LocalCluster, make_cluster, parse_tf_config, tf_config
@@ -46,7 +47,7 @@ from accel.procs import (
     wait_for_reports,
 )
 
-__all__ = ["coordinated_run", "mirrored_run"]
+__all__ = ["coordinated_run", "mirrored_run", "gated_step", "schedule_and_join", "mirrored_step"]
 
 IN_FLIGHT = "in flight: "  # the coordinator's line that asks the caller to kill a worker now
 
@@ -135,17 +136,38 @@ def mirrored_run(model_fn: Callable, init: list[np.ndarray], batches: list,
     return [[np.array(p, np.float32) for p in r["params"]] for r in reports]
 
 
-def _loss_sum(model_fn, params, x, y):
-    return _tf().reduce_sum(training.squared_error(y, model_fn(params, x)))
+def gated_step(params, applied, finished, gate, xs, ys, model_fn, learning_rate):
+    """The function the coordinator schedules once per global batch ``s``: SGD on the ps's
+    weights, counted there, then a wait at ``gate`` (a queue on the ps) before it counts as
+    finished. The token passes through the worker, so a function cut off with its worker never
+    counts."""
+
+    @tf.function
+    def step(s):
+        xb, yb = tf.gather(xs, s), tf.gather(ys, s)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(training.squared_error(yb, model_fn(params, xb)))
+        for v, g in zip(params, tape.gradient(loss, params), strict=True):
+            v.assign_sub(learning_rate * g)  # the update, on the ps
+        applied.assign_add(1)  # one more update on the ps
+        token = tf.identity(gate.dequeue())  # wait at the gate
+        finished.assign_add(token * 0 + 1)  # only a function that got past it counts
+    return step
 
 
-def _tf():
-    import tensorflow as tf
-    return tf
+def schedule_and_join(coordinator, step, steps: int, gate, tokens: int, in_flight=None) -> None:
+    """The coordinator's loop: queue one ``step`` per global batch for whichever worker is free,
+    let ``in_flight()`` act while they hold their functions (here: kill a worker), open the
+    gate, and wait until every function has ended, those retried on another worker included."""
+    for s in range(steps):
+        coordinator.schedule(step, args=(tf.constant(s),))  # returns at once
+    if in_flight is not None:
+        in_flight()
+    gate.enqueue_many(tf.zeros(tokens, tf.int64))  # open the gate
+    coordinator.join()  # raises if a ps is lost; a lost worker's functions run elsewhere
 
 
 def _coordinator(spec: dict) -> dict:
-    tf = _tf()
     cluster, _, _ = parse_tf_config(os.environ["TF_CONFIG"])
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster), rpc_layer="grpc", task_type="chief", task_id=0)
@@ -157,28 +179,13 @@ def _coordinator(spec: dict) -> dict:
         finished = tf.Variable(0, dtype=tf.int64)
     xs, ys = np.array(spec["x"], np.float32), np.array(spec["y"], np.float32)
     steps, workers, kill = len(xs), len(cluster["worker"]), spec.get("kill", False)
-    model_fn = load_function(spec["model_fn"])
-    with tf.device("/job:ps/task:0"):  # the gate: a function ends only after taking a token
-        gate = tf.queue.FIFOQueue(2 * steps + workers + 2, tf.int64, shapes=(),
-                                  shared_name="gate")
+    tokens = 2 * steps + workers + 2  # enough for every function, retries included
+    with tf.device("/job:ps/task:0"):
+        gate = tf.queue.FIFOQueue(tokens, tf.int64, shapes=(), shared_name="gate")
+    step = gated_step(params, applied, finished, gate, xs, ys, load_function(spec["model_fn"]),
+                      spec["learning_rate"])
 
-    @tf.function
-    def step(s):
-        xb, yb = tf.gather(xs, s), tf.gather(ys, s)
-        with tf.GradientTape() as tape:
-            loss = _loss_sum(model_fn, params, xb, yb) / xs.shape[1]
-        for v, g in zip(params, tape.gradient(loss, params), strict=True):
-            v.assign_sub(spec["learning_rate"] * g)
-        applied.assign_add(1)
-        if kill:  # wait on the ps; the token goes through the worker, so a dead worker's
-            token = tf.identity(gate.dequeue())  # cut-off function cannot count as finished
-            finished.assign_add(token * 0 + 1)
-        else:
-            finished.assign_add(1)
-
-    for s in range(steps):
-        coordinator.schedule(step, args=(tf.constant(s),))
-    if kill:
+    def kill_one() -> None:
         end = time.monotonic() + 120
         while applied.numpy() < workers:  # each worker holds a function that updated the ps
             if time.monotonic() > end:
@@ -191,8 +198,8 @@ def _coordinator(spec: dict) -> dict:
         end = time.monotonic() + 60
         while time.monotonic() < end and _listening(host, int(port)):
             time.sleep(0.05)
-        gate.enqueue_many(tf.zeros(2 * steps + workers + 2, tf.int64))  # open the gate
-    coordinator.join()
+
+    schedule_and_join(coordinator, step, steps, gate, tokens, kill_one if kill else None)
     return {"params": [p.numpy().tolist() for p in params], "scheduled": steps,
             "applied": int(applied.numpy()), "finished": int(finished.numpy()),
             "devices": [p.device for p in params]}
@@ -204,26 +211,33 @@ def _listening(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def _mirrored(spec: dict) -> dict:
-    tf = _tf()
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    _, _, index = parse_tf_config(os.environ["TF_CONFIG"])
-    n = strategy.num_replicas_in_sync
-    with strategy.scope():
-        params = [tf.Variable(np.array(p, np.float32)) for p in spec["init"]]
-    learning_rate, model_fn = spec["learning_rate"], load_function(spec["model_fn"])
+def mirrored_step(strategy, params, model_fn, learning_rate):
+    """One synchronous step under ``MultiWorkerMirroredStrategy``, run by every worker on its
+    slice of the global batch: each replica's gradient, summed over every replica of every
+    worker by an all-reduce, applied by each worker to its own copy of the weights."""
 
     @tf.function
     def step(xb, yb, global_batch):
         def replica(xb, yb):
             with tf.GradientTape() as tape:
-                loss = _loss_sum(model_fn, params, xb, yb) / global_batch
+                loss = tf.reduce_sum(training.squared_error(yb, model_fn(params, xb)))
+                loss = loss / global_batch  # the mean over the GLOBAL batch
             grads = tf.distribute.get_replica_context().all_reduce(
-                "sum", tape.gradient(loss, params))
+                "sum", tape.gradient(loss, params))  # the same sum on every worker
             for v, g in zip(params, grads, strict=True):
-                v.assign_sub(learning_rate * g)
+                v.assign_sub(learning_rate * g)  # each worker updates its own copy
         strategy.run(replica, (xb, yb))
+    return step
 
+
+def _mirrored(spec: dict) -> dict:
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()  # reads TF_CONFIG
+    _, _, index = parse_tf_config(os.environ["TF_CONFIG"])
+    n = strategy.num_replicas_in_sync
+    with strategy.scope():
+        params = [tf.Variable(np.array(p, np.float32)) for p in spec["init"]]
+    step = mirrored_step(strategy, params, load_function(spec["model_fn"]),
+                         spec["learning_rate"])
     for xb, yb in zip(spec["x"], spec["y"], strict=True):
         xb, yb = np.array(xb, np.float32), np.array(yb, np.float32)
         part = len(xb) // n

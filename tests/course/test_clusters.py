@@ -1,7 +1,11 @@
 """accel.course.clusters: the exercises' checks say "not answered yet" for the placeholders,
 accept the right answers (the solutions, written out here) and refuse wrong ones; the byte
-counts agree with the closed forms; the shared problem's reference is plain SGD."""
+counts agree with the closed forms; Young's interval is the minimum of its cost, found by a
+search; the shared problem's reference is plain SGD."""
 
+import math
+
+import numpy as np
 import pytest
 
 from accel import models
@@ -11,14 +15,15 @@ from accel.course import clusters
 
 def test_exercise_1_which_updates_a_retry_leaves_wrong():
     assert clusters.check_idempotent(None) == "exercise 1: not answered yet"
-    # twice moves SGD's weights twice, counts the examples twice and advances Adam's step and
-    # moments twice; recording the step, a running minimum and a per-step log entry are the same
-    # after one run or two
-    assert clusters.not_idempotent() == {"a", "b", "e"}
-    assert clusters.check_idempotent("abe").startswith("exercise 1: correct")
-    assert clusters.check_idempotent({"E", "a", "b"}).startswith("exercise 1: correct")
-    assert "not quite" in clusters.check_idempotent("ab")
-    assert "not quite" in clusters.check_idempotent("abdef")
+    # the retry of step 1 runs after steps 2 and 3, at weights that have moved: SGD and Adam
+    # apply a further update, the count takes a batch twice, last_step goes back to 1 and the
+    # per-step log gets step 1's loss at later weights; a maximum and a per-step flag end the
+    # same whatever the order and however often a step runs
+    assert clusters.not_idempotent() == {"a", "b", "c", "e", "g"}
+    assert clusters.check_idempotent("abceg").startswith("exercise 1: correct")
+    assert clusters.check_idempotent({"E", "a", "b", "c", "g"}).startswith("exercise 1: correct")
+    assert "not quite" in clusters.check_idempotent("abe")  # the same call twice, back to back
+    assert "not quite" in clusters.check_idempotent("abcdefg")
     with pytest.raises(ValueError, match="the updates are"):
         clusters.check_idempotent("az")
 
@@ -42,16 +47,51 @@ def test_link_bytes_against_the_closed_forms():
             clusters.link_bytes(**bad)
 
 
-def test_exercise_2_ps_vs_ring_bytes():
+def test_colocated_servers_send_what_a_ring_sends():
+    m = 1200.0
+    for n in (2, 3, 8):
+        colocated = clusters.link_bytes("ps", n, m, servers=n, colocated=True)
+        assert sorted(colocated) == [f"machine:{i}" for i in range(n)]
+        for node in colocated.values():  # (n-1)/n of the gradient out, (n-1)/n of the weights
+            assert node["sent"] == pytest.approx(2 * (n - 1) / n * m)
+            assert node["received"] == pytest.approx(node["sent"])
+    with pytest.raises(ValueError, match="servers must be 4"):
+        clusters.link_bytes("ps", 4, m, servers=2, colocated=True)
+    with pytest.raises(ValueError, match="no servers"):
+        clusters.link_bytes("ring", 4, m, colocated=True)
+
+
+def test_exercise_2_ps_machines_and_colocated_bytes():
     assert clusters.check_bandwidth(None) == "exercise 2: not answered yet"
-    assert clusters.check_bandwidth((None, None, None)) == "exercise 2: not answered yet"
-    # 16 workers x 4e9 bytes into one ps; a ring worker sends 2 * 15/16 * 4e9 = 7.5e9; 64e9 / S
-    # <= 7.5e9 first holds at S = 9 (8 gives exactly 8e9)
-    assert clusters.check_bandwidth((64e9, 7.5e9, 9)).startswith("exercise 2: correct")
-    assert "servers" in clusters.check_bandwidth((64e9, 7.5e9, 8))
-    assert "ring bytes" in clusters.check_bandwidth((64e9, 8e9, 9))
+    assert clusters.check_bandwidth((None, None)) == "exercise 2: not answered yet"
+    # a ring worker sends 2 * 15/16 * 4e9 = 7.5e9; S dedicated servers each receive 64e9 / S,
+    # <= 7.5e9 first at S = 9 (8 gives 8e9); colocated, each machine sends 15/16 of its gradient
+    # to the other shards and 15 copies of its 1/16 of the weights: 7.5e9, a ring worker's bytes
+    assert clusters.check_bandwidth((9, 7.5e9)).startswith("exercise 2: correct")
+    assert "ps machines" in clusters.check_bandwidth((8, 7.5e9))
+    assert "colocated bytes" in clusters.check_bandwidth((9, 8e9))
     with pytest.raises(ValueError, match="answer must be"):
-        clusters.check_bandwidth((64e9, 7.5e9))
+        clusters.check_bandwidth((9, 7.5e9, 1))
+
+
+def test_exercise_3_youngs_interval():
+    assert clusters.check_checkpoint(None) == "exercise 3: not answered yet"
+    assert clusters.check_checkpoint((None, None, None)) == "exercise 3: not answered yet"
+    mtbf = 54 * 86400 / 419  # seconds: one unexpected interruption every ~3.1 hours
+    # Young's interval minimises save / tau + tau / (2 MTBF): check by a search, not the formula
+    taus = np.linspace(60.0, 7200.0, 200_001)
+    for m in (mtbf, mtbf / 4):
+        cost = 60.0 / taus + taus / (2 * m)
+        assert taus[np.argmin(cost)] == pytest.approx(math.sqrt(2 * 60.0 * m), rel=1e-4)
+    now, larger = math.sqrt(2 * 60 * mtbf) / 60, math.sqrt(2 * 60 * mtbf / 4) / 60
+    assert (round(now, 1), round(larger, 2)) == (19.3, 9.63)
+    lost = math.sqrt(2 * 60 / (mtbf / 4))  # at the optimum the two terms are equal
+    assert clusters.check_checkpoint((now, larger, lost)).startswith("exercise 3: correct")
+    assert clusters.check_checkpoint((19.3, 9.6, 0.21)).startswith("exercise 3: correct")
+    assert "interval at 4x" in clusters.check_checkpoint((19.3, 4.8, 0.21))
+    assert "time lost at 4x" in clusters.check_checkpoint((19.3, 9.6, 0.104))
+    with pytest.raises(ValueError, match="answer must be"):
+        clusters.check_checkpoint((19.3, 9.6))
 
 
 def test_problem_trains():

@@ -1,6 +1,8 @@
 """accel.distributed.replication: the four combinations on a real 1 ps + 2 workers cluster;
 the synchronous ones equal one device's SGD on the global batch, the asynchronous ones apply
-every gradient exactly once, each at a recorded version."""
+every gradient exactly once, each at a recorded version; in every one, one global batch sends
+each worker the model's bytes of weights and the ps each worker's gradient (counted from the
+executed partition graphs, against the parameters' own sizes)."""
 
 import numpy as np
 import pytest
@@ -41,6 +43,22 @@ def test_sync_equals_one_device_on_the_global_batch(cluster, problem, run):
     assert result.updates == STEPS and result.records == []
     close(result.params, ref)
     assert models.max_difference(result.params, init) > 1e-3  # it did train
+    check_traffic(result, init)
+
+
+def check_traffic(result, init, workers=2):
+    """One global batch: every worker reads each parameter from the ps once and sends the ps
+    one gradient of each; the two halves of the batch are data."""
+    totals = R.link_totals(result.traffic)
+    model = sum(p.nbytes for p in init)
+    assert totals["weights"] == (workers * len(init), workers * model)
+    assert totals["gradients"] == (workers * len(init), workers * model)
+    x, y = 16 * 8 * 4, 16 * 1 * 4  # a half batch of float32 features and targets
+    # in-graph, worker 0's half is fed where the client runs: only worker 1's crosses
+    want = (2, x + y) if result.kind.startswith("in-graph") else (4, 2 * (x + y))
+    assert totals["data"] == want
+    assert {s.source for s in result.traffic if s.kind == "weights"} == {"ps:0"}
+    assert {s.target for s in result.traffic if s.kind == "gradients"} == {"ps:0"}
 
 
 @pytest.mark.slow
@@ -65,6 +83,11 @@ def test_async_applies_every_gradient_once_at_a_recorded_version(cluster, proble
     want = [p - LR * g for p, g in zip(init, result.gradient_sum, strict=True)]
     close(result.params, want, [max(np.max(np.abs(w)) for w in want)] * len(want))
     assert 0 < result.seconds
+    check_traffic(result, init)
+    # one size per update; the largest is at least the mean step (triangle inequality)
+    assert len(result.update_sizes) == result.updates
+    total = max(np.max(np.abs(LR * g)) for g in result.gradient_sum)
+    assert max(result.update_sizes) >= total / result.updates * (1 - 1e-6)
 
 
 @pytest.mark.slow
@@ -90,6 +113,25 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="model_fn must be a function defined at the top"):
         R.between_graph({"ps": ["a:1"], "worker": ["a:2"]}, "sync", lambda p, x: x,
                         [np.zeros(1)], [(np.zeros((2, 1)), np.zeros((2, 1)))], 0.1)
+
+
+def test_link_totals_counts_tensors_and_bytes_by_kind():
+    sent = [R.Sent("ps:0", "worker:0", 512, "MatMul/ReadVariableOp:0", "weights"),
+            R.Sent("ps:0", "worker:1", 512, "MatMul_2/ReadVariableOp:0", "weights"),
+            R.Sent("worker:0", "ps:0", 512, "gradients/MatMul_grad/MatMul_1:0", "gradients"),
+            R.Sent("worker:0", "ps:0", 0, "Identity/ctrl_S4:0", "control"),
+            R.Sent("ps:0", "worker:0", 8, "sync_token_q_Dequeue:0")]
+    assert R.link_totals(sent) == {"weights": (2, 1024), "gradients": (1, 512),
+                                   "data": (0, 0), "other": (1, 8)}
+    with pytest.raises(ValueError, match="unknown kind"):
+        R.link_totals([R.Sent("ps:0", "worker:0", 1, "t:0", "bias")])
+    with pytest.raises(ValueError, match="Sent records"):
+        R.link_totals([("ps:0", "worker:0", 1, "t:0")])
+
+
+def test_task_names_come_from_device_names():
+    assert R._task("/job:ps/replica:0/task:1/device:CPU:0") == "ps:1"
+    assert R._task("/job:worker/replica:0/task:0/device:CPU:0") == "worker:0"
 
 
 def test_versions_are_distinct_under_concurrent_updates():
