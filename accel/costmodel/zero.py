@@ -8,7 +8,19 @@ Bytes per parameter, by what a device keeps for the training step:
 * ``"mixed"`` (the paper's case): fp16 weights 2, fp16 gradients 2, and Adam's optimizer state
   12 (an fp32 master copy of the weights, fp32 first and second moments), 16 in all;
 * ``"fp32"`` (what runs in this course): fp32 weights 4, fp32 gradients 4, Adam's two fp32
-  moments 8 (the weights themselves are the master copy), 16 in all.
+  moments 8 (the weights themselves are the master copy), 16 in all;
+* ``"megatron_bf16"``: Megatron Core's count for 16-bit parameters with fp32 gradients, what
+  its bf16 training keeps (``megatron/training/arguments.py``, ``validate_args``: bf16
+  accumulates and all-reduces the gradients in fp32 unless ``--grad-reduce-in-bf16``): bf16
+  weights 2, fp32 gradients 4, optimizer state 12 (fp32 master weights, m, v), 18 in all;
+* ``"megatron_fp16"``: Megatron Core's count for 16-bit parameters and gradients: weights 2,
+  gradients 2, optimizer state 16 (an fp32 copy of the gradients, the "main grads", besides
+  the fp32 master weights, m and v), 20 in all.
+
+Megatron Core's distributed-optimizer guide (docs.nvidia.com/megatron-core, "Distributed
+Optimizer") tabulates 20, 18 and 16 bytes per parameter without sharding and ``4 + 16/d``,
+``6 + 12/d``, ``8 + 8/d`` with its distributed optimizer, which shards the optimizer state
+only: stage 1 here (``MEGATRON_DISTRIBUTED_OPTIMIZER``).
 
 Stage 0 is plain data parallelism (every device holds everything); stage 1 shards the optimizer
 state over the ``n`` devices, stage 2 also the gradients, stage 3 also the weights:
@@ -40,22 +52,34 @@ __all__ = ["STAGES", "PRECISIONS", "ZERO_SOURCE", "BYTES_PER_PARAM", "ADAM_MIXED
            "shard_elements",
            "zero_bytes_per_device", "zero_total_bytes", "zero_comm_bytes",
            "zero_comm_bytes_accumulated", "ZERO_PIPELINE_SOURCE", "zero_formula",
-           "OFFLOAD_SOURCE", "offload_step", "offload_break_even_tokens"]
+           "OFFLOAD_SOURCE", "offload_step", "offload_break_even_tokens",
+           "MEGATRON_DISTRIBUTED_OPTIMIZER", "HOST_ADAM_BYTES_PER_PARAM", "zero_offload_step",
+           "host_adam_break_even_tokens"]
 
 ZERO_SOURCE = ("Rajbhandari, Rasley, Ruwase, He, 'ZeRO: Memory Optimizations Toward Training "
                "Trillion Parameter Models', arXiv:1910.02054 (2019), sections 5 and 7")
 STAGES = (0, 1, 2, 3)
-PRECISIONS = ("mixed", "fp32")
+PRECISIONS = ("mixed", "fp32", "megatron_bf16", "megatron_fp16")
 # precision -> bytes per parameter of (weights, gradients, optimizer state) with Adam
 BYTES_PER_PARAM: dict[str, dict[str, int]] = {
     "mixed": {"weights": 2, "grads": 2, "optimizer": 12},
     "fp32": {"weights": 4, "grads": 4, "optimizer": 8},
+    "megatron_bf16": {"weights": 2, "grads": 4, "optimizer": 12},
+    "megatron_fp16": {"weights": 2, "grads": 2, "optimizer": 16},
 }
+# Megatron Core's table (distributed-optimizer guide): precision -> (bytes per parameter
+# without sharding, with the distributed optimizer as written there, d = data-parallel size)
+MEGATRON_DISTRIBUTED_OPTIMIZER = {"megatron_fp16": (20, "4 + 16/d"),
+                                  "megatron_bf16": (18, "6 + 12/d"),
+                                  "fp32": (16, "8 + 8/d")}
 # 16: the bytes per parameter of mixed-precision Adam without sharding (section 3.1: 2 + 2 + 12)
 ADAM_MIXED_BYTES_PER_PARAM = sum(BYTES_PER_PARAM["mixed"].values())
 OFFLOAD_SOURCE = ("Ren et al., 'ZeRO-Offload: Democratizing Billion-Scale Model Training', "
-                  "arXiv:2101.06840 (2021), section 4: fp16 gradients to the CPU, fp16 weights "
-                  "back, the Adam update on the CPU")
+                  "USENIX ATC 2021, arXiv:2101.06840: section 3.3, fp16 gradients to the CPU "
+                  "and fp16 parameters back (2M bytes each way for M parameters); section 4.2, "
+                  "on N GPUs built on ZeRO-2, each GPU offloads only its gradient partition "
+                  "and each data-parallel process updates its partition on the CPU; section "
+                  "5.2, the delayed parameter update")
 # what DeepSpeed does with ZeRO 2-3 and several micro-batches per step, and with a pipeline
 ZERO_PIPELINE_SOURCE = (
     "DeepSpeed: a rank keeps only its shard of the gradients, so ZeRO 2 and 3 reduce-scatter "
@@ -107,11 +131,14 @@ def zero_comm_bytes(params: int, n: int, stage: int, precision: str = "mixed") -
     """Bytes one device sends per training step: ``2 (n-1)/n`` times the gradient bytes for
     stages 0-2 (reduce-scatter + all-gather, the volume of a ring all-reduce), ``3 (n-1)/n`` for
     stage 3 (the weights gathered for the forward and again for the backward pass, the gradients
-    reduce-scattered). Gradients and gathered weights move at the weights' precision."""
+    reduce-scattered). Gradients move at the gradients' precision, gathered weights at the
+    weights' (stage 0 all-reduces the gradients: both halves at the gradients')."""
     params, n = _check(params, n, stage, precision)
-    nbytes = params * BYTES_PER_PARAM[precision]["weights"]
+    grads = params * BYTES_PER_PARAM[precision]["grads"]
+    weights = grads if stage == 0 else params * BYTES_PER_PARAM[precision]["weights"]
     gathers = 2 if stage == 3 else 1
-    return (BUS_FACTORS["reduce_scatter"](n) + gathers * BUS_FACTORS["all_gather"](n)) * nbytes
+    return (BUS_FACTORS["reduce_scatter"](n) * grads
+            + gathers * BUS_FACTORS["all_gather"](n) * weights)
 
 
 def zero_comm_bytes_accumulated(params: int, n: int, stage: int, microbatches: int = 1,
@@ -127,11 +154,12 @@ def zero_comm_bytes_accumulated(params: int, n: int, stage: int, microbatches: i
     m = checks.positive_int("microbatches", microbatches)
     if stage < 2:
         return zero_comm_bytes(params, n, stage, precision)
-    nbytes = params * BYTES_PER_PARAM[precision]["weights"]
+    grads = params * BYTES_PER_PARAM[precision]["grads"]
+    weights = params * BYTES_PER_PARAM[precision]["weights"]
     scatter, gather = BUS_FACTORS["reduce_scatter"](n), BUS_FACTORS["all_gather"](n)
     if stage == 2:
-        return (m * scatter + gather) * nbytes
-    return m * (scatter + 2 * gather) * nbytes
+        return m * scatter * grads + gather * weights
+    return m * (scatter * grads + 2 * gather * weights)
 
 
 def zero_formula(stage: int, precision: str = "mixed") -> str:
@@ -144,32 +172,76 @@ def zero_formula(stage: int, precision: str = "mixed") -> str:
     return " + ".join(terms)
 
 
-def offload_step(params: int, tokens: int, device: str, link: str, precision: str = "fp16",
-                 utilization: float = 0.5, bytes_per_param: int = 2) -> dict:
-    """MODEL of one step with the optimizer offloaded over ``link``: ``compute_s``, the GPU's
-    forward + backward, ``6 params tokens`` FLOPs at ``utilization`` of ``device``'s peak;
-    ``transfer_s``, the gradients down and the weights up (``bytes_per_param`` each, the two
-    directions at once: a PCIe link is full duplex); ``step_s`` = the larger when the two
-    overlap, and ``bottleneck``: ``"compute"`` (offload is free) or ``"transfer"``. The CPU's
-    Adam time is left out (ZeRO-Offload overlaps it with the next step)."""
-    params = checks.positive_int("params", params)
-    tokens = checks.positive_int("tokens", tokens)
+# ZeRO-Offload's host Adam pass streams each parameter's state through DRAM once per step: the
+# 16-bit gradient read (2 bytes), the fp32 master weight, m and v each read and written (24),
+# the 16-bit weight written for the copy back (2): 28 bytes per parameter. Adam's arithmetic
+# (about 10 FLOPs per parameter) is far below what the cores do in that time: memory-bound.
+HOST_ADAM_BYTES_PER_PARAM = 28
+
+
+def _utilization(utilization: float) -> float:
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
-    compute = 6 * params * tokens / (peak_flops(device, precision) * utilization)
-    transfer = params * checks.positive_int("bytes_per_param", bytes_per_param) / \
+    return utilization
+
+
+def offload_step(params: int, tokens: int, device: str, link: str, precision: str = "fp16",
+                 utilization: float = 0.5, bytes_per_param: int = 2, n: int = 1) -> dict:
+    """MODEL of one step with the optimizer offloaded over ``link``, on each of ``n``
+    data-parallel GPUs: ``compute_s``, the GPU's forward + backward, ``6 params tokens`` FLOPs
+    (``tokens`` per GPU) at ``utilization`` of ``device``'s peak; ``transfer_s``, the GPU's
+    gradient partition down and its parameter partition up over its own link,
+    ``bytes_per_param params / n`` each way at once (ZeRO-Offload partitions before it
+    offloads, section 4.2; a PCIe link is full duplex); ``step_s`` = the larger when the two
+    overlap, and ``bottleneck``: ``"compute"`` (the link is free) or ``"transfer"``. The host's
+    Adam is left out: ``zero_offload_step`` adds it."""
+    params = checks.positive_int("params", params)
+    tokens = checks.positive_int("tokens", tokens)
+    n = checks.positive_int("n", n)
+    compute = 6 * params * tokens / (peak_flops(device, precision) * _utilization(utilization))
+    transfer = params / n * checks.positive_int("bytes_per_param", bytes_per_param) / \
         link_bandwidth(link)
     return {"compute_s": compute, "transfer_s": transfer, "step_s": max(compute, transfer),
             "bottleneck": "compute" if compute >= transfer else "transfer"}
 
 
 def offload_break_even_tokens(device: str, link: str, precision: str = "fp16",
-                              utilization: float = 0.5, bytes_per_param: int = 2) -> float:
+                              utilization: float = 0.5, bytes_per_param: int = 2,
+                              n: int = 1) -> float:
     """Tokens per GPU and step above which the offload traffic hides under the compute:
-    ``6 params tokens / R = bytes_per_param params / B`` gives ``tokens = bytes_per_param R /
-    (6 B)``, whatever the model's size."""
-    if not 0 < utilization <= 1:
-        raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
-    rate = peak_flops(device, precision) * utilization
+    ``6 params tokens / R = bytes_per_param params / (n B)`` gives ``tokens = bytes_per_param R
+    / (6 n B)``, whatever the model's size."""
+    rate = peak_flops(device, precision) * _utilization(utilization)
     return checks.positive_int("bytes_per_param", bytes_per_param) * rate / \
-        (6 * link_bandwidth(link))
+        (6 * checks.positive_int("n", n) * link_bandwidth(link))
+
+
+def zero_offload_step(params: int, tokens: int, device: str, link: str, host_bandwidth: float,
+                      n: int = 1, precision: str = "bf16", utilization: float = 0.5) -> dict:
+    """MODEL of a ZeRO-Offload step on each of ``n`` data-parallel GPUs: ``offload_step``'s
+    ``compute_s`` and ``transfer_s`` plus ``adam_s``, the host's Adam pass over THIS process's
+    partition, ``HOST_ADAM_BYTES_PER_PARAM params / n`` bytes at ``host_bandwidth`` (the DRAM
+    bandwidth this process gets: the processes of a node share its sockets). Two step times:
+    ``serial_s``, Adam after the backward (the GPU waits for it: a lower bound, the copy back
+    after Adam waits too), and ``dpu_s``, ZeRO-Offload's delayed parameter update (section
+    5.2: step t's Adam runs while the GPU computes step t+1 from weights one step old), the
+    largest of the three; ``bottleneck`` names that largest (``"compute"``, ``"link"``,
+    ``"host adam"``)."""
+    e = offload_step(params, tokens, device, link, precision, utilization, 2, n)
+    host_bandwidth = checks.positive_number("host_bandwidth", host_bandwidth)
+    adam = HOST_ADAM_BYTES_PER_PARAM * params / n / host_bandwidth
+    times = {"compute": e["compute_s"], "link": e["transfer_s"], "host adam": adam}
+    return {"compute_s": e["compute_s"], "transfer_s": e["transfer_s"], "adam_s": adam,
+            "serial_s": max(e["compute_s"], e["transfer_s"]) + adam,
+            "dpu_s": max(times.values()), "bottleneck": max(times, key=times.get)}
+
+
+def host_adam_break_even_tokens(device: str, host_bandwidth: float, n: int = 1,
+                                precision: str = "bf16", utilization: float = 0.5) -> float:
+    """Tokens per GPU and step from which the host's Adam over this process's partition hides
+    under the compute (with the delayed update): ``6 params tokens / R = 28 params / (n
+    B_host)``, so ``tokens = 28 R / (6 n B_host)``, whatever the model's size."""
+    rate = peak_flops(device, precision) * _utilization(utilization)
+    return HOST_ADAM_BYTES_PER_PARAM * rate / (
+        6 * checks.positive_int("n", n) * checks.positive_number("host_bandwidth",
+                                                                  host_bandwidth))

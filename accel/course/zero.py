@@ -10,17 +10,25 @@ next to the paper's formulas, the ``zero`` benchmark, a figure and the exercise 
 * ``figure_zero_memory()``: the paper's example (7.5B parameters, N = 64) as bars;
 * ``copy_of`` / ``same_weights``: a Keras model's twin, and the check that two trained twins
   hold the same weights;
-* ``offload_with_host_adam`` / ``host_adam_break_even_tokens``: the offload cost model with the
-  host's Adam pass (memory-bound) added, with and without ZeRO-Offload's delayed update.
+* ``gathered_bytes`` / ``gather_waits`` / ``stage3_timeline``: what stage 3 gathers per layer
+  on a device and what each gather waits for, read from the traced graph, and one step's
+  gathers and layers on a device's lanes, read from a profiler trace;
+* ``keras_sent_bytes``: the bytes each device sends in one step of a Keras form (ZeRO 1-2 with
+  accumulation, offload), counted in the graph that ran;
+* ``OFFLOAD_SETUPS``, ``offload_with_host_adam`` / ``host_adam_break_even_tokens``: the
+  ZeRO-Offload cost model (``accel.costmodel.zero.zero_offload_step``) on two hosts;
+* the exercises' checks.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import numpy as np
+import tensorflow as tf
 
-from accel import collectives, timing
+from accel import collectives, profile, timing
 from accel.costmodel import zero as cost
 from accel.models import mlp_apply, mlp_init
 from accel.parallel.layers import dense, linear
@@ -30,9 +38,10 @@ from accel.training import squared_error
 
 __all__ = ["SIZES", "NAMES", "mlp_layer_fns", "make_steps", "held_table", "sent_table",
            "time_steps", "bench", "figure_zero_memory", "copy_of", "same_weights",
-           "HOST_ADAM_BYTES_PER_PARAM", "HOST_DRAM_BANDWIDTH", "HOST_DRAM_SOURCE",
-           "offload_with_host_adam", "host_adam_break_even_tokens", "check_stage_bytes",
-           "check_offload_tokens"]
+           "gathered_bytes", "gather_waits", "stage3_timeline", "keras_sent_bytes",
+           "HOST_ADAM_BYTES_PER_PARAM", "HOST_DRAM_SOURCE", "OFFLOAD_SETUPS",
+           "offload_with_host_adam", "host_adam_break_even_tokens",
+           "check_accumulation_ratios", "check_offload_bound", "check_token_weight"]
 
 # 64*256+256 = 16640 and 256*64+64 = 16448 parameters per layer: both divide by 2 and 4
 SIZES = [64, 256, 64]
@@ -157,64 +166,183 @@ def same_weights(model, ref, rtol: float = 1e-12) -> bool:
                for a, b in zip(model.get_weights(), want, strict=True))
 
 
-# The host's Adam pass streams every parameter's state through DRAM once per step (ZeRO-Offload
-# keeps fp32 weights, m and v on the CPU): the fp16 gradient read (2 bytes), the fp32 weight,
-# m and v each read and written (24), the fp16 weight written for the copy back (2): 28 bytes
-# per parameter, 28 GB per billion parameters (30 if the CPU keeps fp32 gradients, as
-# ZeRO-Offload's g32). Adam's arithmetic (~10 FLOPs per parameter) is far below what the
-# cores do in that time, so the pass is memory-bound.
-HOST_ADAM_BYTES_PER_PARAM = 28
+# -- stage 3: what a device gathers while it runs, and when ------------------------------------
+
+def gathered_bytes(step, xs, ys, device: int = 0) -> dict[int, int]:
+    """Layer -> bytes of the full weights that ``ZeroStep`` stage 3 gathers for it on device
+    ``device`` in the forward pass: the outputs of the ``fwd_gather_<layer>`` ops placed on
+    that device in the traced graph of ``step.step(xs, ys)`` (the same for the backward's
+    gather)."""
+    if getattr(step, "stage", None) != 3:
+        raise ValueError("step must be a ZeroStep of stage 3 (only stage 3 gathers layers)")
+    where = collectives.check_devices(step.devices)[device]
+    graph = step.step.get_concrete_function(xs, ys).graph
+    out: dict[int, int] = {}
+    for op in graph.get_operations():
+        hit = re.match(r"fwd_gather_(\d+)/", op.name)
+        if hit and op.type == "ConcatV2" and op.device == where:
+            t = op.outputs[0]
+            out[int(hit[1])] = t.shape.num_elements() * t.dtype.size
+    return dict(sorted(out.items()))
+
+
+def gather_waits(step, xs, ys) -> dict[str, list[str]]:
+    """What each gather of ``ZeroStep`` stage 3 waits for, read from the traced graph of
+    ``step.step(xs, ys)``: gather scope (``fwd_gather_<layer>``, ``bwd_gather_<layer>``) -> the
+    scopes of the ops its control dependencies name (the layers whose output it waits for), in
+    the run order (forward first, then the backward's last layer first). Empty without
+    ``prefetch``."""
+    if getattr(step, "stage", None) != 3:
+        raise ValueError("step must be a ZeroStep of stage 3 (only stage 3 gathers layers)")
+    graph = step.step.get_concrete_function(xs, ys).graph
+    waits: dict[str, set[str]] = {}
+    for op in graph.get_operations():
+        scope = op.name.split("/")[0]
+        if re.fullmatch(r"(fwd|bwd)_gather_\d+", scope):
+            for c in op.control_inputs:
+                waits.setdefault(scope, set()).add(
+                    c.name.removeprefix("gradient_tape/").split("/")[0])
+
+    def order(scope):
+        way, layer = scope.split("_gather_")
+        return (way == "bwd", -int(layer) if way == "bwd" else int(layer))
+
+    return {k: sorted(waits[k]) for k in sorted(waits, key=order)}
+
+
+_STAGE3_OP = re.compile(r"(?:gradient_tape/)?(fwd|bwd)_(gather|layer)_(\d+)/")
+
+
+def stage3_timeline(step, xs, ys, logdir: str, device: int = 0) -> dict:
+    """One step of ``ZeroStep`` stage 3 run under TensorFlow's profiler and read back
+    (``accel.profile.op_runs``: every op on one clock), for device ``device``: ``intervals``,
+    ``(lane, start, end, label)`` for ``accel.viz.timeline`` (lane ``"all-gather"``: the
+    gathers' concatenations, ``"layer"``: the layers' matmuls; labels ``f<layer>`` forward,
+    ``b<layer>`` backward) in ms from the first of them, and ``early``: how many gathers
+    started before the previous layer's forward matmul ended on that device, out of
+    ``gathers``, the forward's gathers that have a previous layer (a prefetch at work)."""
+    where = collectives.check_devices(step.devices)[device]
+    graph = step.step.get_concrete_function(xs, ys).graph
+    placed = {op.name: op.device for op in graph.get_operations()}
+    runs = profile.op_runs(profile.profile_trace(lambda: [v.numpy() for v in step.step(xs, ys)],
+                                                 logdir))
+    spans: dict[tuple, list] = {}
+    for r in runs:
+        hit = _STAGE3_OP.match(r.name)
+        if not hit or placed.get(r.name) != where:
+            continue
+        kind = "all-gather" if hit[2] == "gather" else "layer"
+        if (kind == "all-gather") != (r.type == "ConcatV2") or (
+                kind == "layer" and r.type != "MatMul"):
+            continue
+        spans.setdefault((kind, hit[1], int(hit[3])), []).append((r.start, r.end))
+    if not spans:
+        raise ValueError("the trace holds no stage-3 gather or layer of that device")
+    t0 = min(s for v in spans.values() for s, _ in v)
+    intervals = [(kind, s - t0, e - t0, f"{way[0]}{layer}")
+                 for (kind, way, layer), v in spans.items() for s, e in v]
+    intervals.sort(key=lambda i: (i[0] != "all-gather", i[1]))
+    early = 0
+    for layer in range(1, len(step.shapes)):  # the forward pass: layer - 1 runs, then layer
+        gather = spans.get(("all-gather", "fwd", layer))
+        work = spans.get(("layer", "fwd", layer - 1))
+        if gather and work and min(s for s, _ in gather) < max(e for _, e in work):
+            early += 1
+    return {"intervals": intervals, "early": early, "gathers": len(step.shapes) - 1}
+
+
+def keras_sent_bytes(form, x, y) -> dict[str, int]:
+    """Bytes each device sends in one training step of the Keras ``form`` (``Zero``,
+    ``Offload``) on the batch ``x, y``, counted from the ``_Send`` nodes of the graph that ran
+    (``accel.collectives.sent_bytes``): the form's micro-steps and its update, as its step runs
+    them, without the step's loss (a scalar per micro-batch summed on ``devices[0]``). Each
+    device's micro-batches are placed on it first, so what is counted is the training's own
+    traffic, not the batch's distribution. The step runs once: use a form made for counting."""
+    parts, k, n = form.batch_parts(), form.accumulation_steps, form.n
+    placed = []
+    for a in [*np.split(np.asarray(x), parts), *np.split(np.asarray(y), parts)]:
+        with tf.device(form.devices[len(placed) % parts // k]):  # part p: device p // k
+            placed.append(tf.constant(a))
+
+    def step(*args):  # KerasReplicas' step: k micro-steps, then one update
+        for j in range(k):
+            form._micro_step([args[i * k + j] for i in range(n)],  # noqa: SLF001
+                             [args[parts + i * k + j] for i in range(n)], 1.0 / (n * k))
+        form._apply()  # noqa: SLF001
+        return []
+
+    return collectives.sent_bytes(step, *placed)
+
+
+# -- ZeRO-Offload's cost model on two hosts ---------------------------------------------------
+
+HOST_ADAM_BYTES_PER_PARAM = cost.HOST_ADAM_BYTES_PER_PARAM
 HOST_DRAM_SOURCE = ("peak DRAM bandwidth = channels x transfers/s x 8 bytes: AMD EPYC 7002 "
                     "(Rome, e.g. the 7742) has 8 channels of DDR4-3200 per socket, 204.8 GB/s "
                     "(AMD's EPYC 7002 specifications); NVIDIA's DGX A100 pairs 2 EPYC 7742 with "
-                    "8 A100 GPUs (DGX A100 datasheet): 409.6 / 8 = 51.2 GB/s per GPU. Peaks: "
-                    "STREAM reaches less")
-HOST_DRAM_BANDWIDTH = {"a whole EPYC 7742 socket for one GPU": 204.8e9,
-                       "a DGX A100's share per GPU": 51.2e9}
+                    "8 A100 GPUs (DGX A100 datasheet): 409.6 / 8 = 51.2 GB/s per GPU's "
+                    "process. Peaks: STREAM reaches less")
+# label -> (data-parallel GPUs n, the DRAM bandwidth each process's Adam gets, bytes/s)
+OFFLOAD_SETUPS = {"1 A100, a whole EPYC 7742 socket": (1, 204.8e9),
+                  "a DGX A100: 8 A100 sharing 2 sockets": (8, 51.2e9)}
 
 
 def offload_with_host_adam(params: int, tokens: int, device: str, link: str,
                            host_bandwidth: float, precision: str = "bf16",
-                           utilization: float = 0.5) -> dict:
-    """``accel.costmodel.zero.offload_step`` plus ``adam_s``, the host's Adam pass
-    (``HOST_ADAM_BYTES_PER_PARAM`` per parameter at ``host_bandwidth`` bytes/s), and two step
-    times: ``serial_s``, Adam after the backward as plain offload runs it (the accelerator
-    waits for it: a lower bound, the weights' copy back after Adam also waits), and ``dpu_s``,
-    ZeRO-Offload's delayed parameter update (Adam of step t runs while the accelerator computes
-    step t+1 from weights one step old): the largest of compute, transfer and Adam."""
-    e = cost.offload_step(params, tokens, device, link, precision, utilization)
-    adam = HOST_ADAM_BYTES_PER_PARAM * params / host_bandwidth
-    return {**e, "adam_s": adam, "serial_s": max(e["compute_s"], e["transfer_s"]) + adam,
-            "dpu_s": max(e["compute_s"], e["transfer_s"], adam)}
+                           utilization: float = 0.5, n: int = 1) -> dict:
+    """``accel.costmodel.zero.zero_offload_step``: each of ``n`` GPUs, its process's Adam
+    over ``params / n`` at ``host_bandwidth``."""
+    return cost.zero_offload_step(params, tokens, device, link, host_bandwidth, n, precision,
+                                  utilization)
 
 
 def host_adam_break_even_tokens(device: str, host_bandwidth: float, precision: str = "bf16",
-                                utilization: float = 0.5) -> float:
-    """Tokens per GPU and step from which the host's Adam hides under the compute (with the
-    delayed update): ``6 params tokens / R = 28 params / B_host``, whatever the model's size."""
-    from accel.costmodel.hardware import peak_flops
-
-    rate = peak_flops(device, precision) * utilization
-    return HOST_ADAM_BYTES_PER_PARAM * rate / (6 * host_bandwidth)
+                                utilization: float = 0.5, n: int = 1) -> float:
+    """``accel.costmodel.zero.host_adam_break_even_tokens``."""
+    return cost.host_adam_break_even_tokens(device, host_bandwidth, n, precision, utilization)
 
 
-def check_stage_bytes(answer) -> str:
-    """Exercise 1: bytes one device holds, float32 Adam, 1e9 parameters, 8 devices, stage 2."""
+# -- the exercises' checks ------------------------------------------------------------------
+
+def check_accumulation_ratios(answer) -> str:
+    """Exercise 1: bytes one device sends per step with 4 micro-batches over those with 1,
+    N = 8, for ZeRO stage 2 and stage 3: a pair (within 1%)."""
     if answer is None:
-        return "not yet: set answer to a number of bytes"
-    right = cost.zero_total_bytes(10**9, 8, 2, "fp32")
-    if answer == right:
-        return f"right: 4 bytes x 1e9 weights + 12 bytes x 1e9 / 8 = {right:.3g} bytes"
-    return f"not quite: {answer} is {'too high' if answer > right else 'too low'}"
+        return "not yet: set answer to a pair (stage 2 ratio, stage 3 ratio)"
+    try:
+        two, three = (float(a) for a in answer)
+    except (TypeError, ValueError):
+        return f"not quite: give two numbers, got {answer!r}"
+    right = [cost.zero_comm_bytes_accumulated(10**9, 8, s, 4) / cost.zero_comm_bytes(10**9, 8, s)
+             for s in (2, 3)]
+    if all(abs(a - r) <= 0.01 * r for a, r in zip((two, three), right, strict=True)):
+        return (f"right: stage 2 reduce-scatters each micro-batch but gathers once, (4 + 1) / "
+                f"(1 + 1) = {right[0]:g}; stage 3 also gathers twice per micro-batch: "
+                f"{right[1]:g}")
+    return f"not quite: stage 2 {two:g}, stage 3 {three:g}; think what each stage repeats"
 
 
-def check_offload_tokens(answer) -> str:
-    """Exercise 2: tokens per GPU and step from which offload over PCIe 5.0 x16 is free for an
-    H100 at 50% of its bf16 peak (within 1%)."""
+def check_offload_bound(answer) -> str:
+    """Exercise 2: what bounds a ZeRO-Offload step (delayed update) of 8 A100 sharing a DGX
+    A100's sockets at 1024 tokens per GPU: "compute", "link" or "host adam"."""
     if answer is None:
-        return "not yet: set answer to a number of tokens"
-    right = cost.offload_break_even_tokens("NVIDIA H100 SXM", "PCIe 5.0 x16", "bf16")
-    if abs(answer - right) <= 0.01 * right:
-        return (f"right: 2 bytes x (50% of 989.4e12 FLOP/s) / (6 FLOPs x 63e9 B/s) = {right:.0f}"
-                " tokens")
-    return f"not quite: {answer} is {'too high' if answer > right else 'too low'}"
+        return "not yet: set answer to 'compute', 'link' or 'host adam'"
+    n, bandwidth = OFFLOAD_SETUPS["a DGX A100: 8 A100 sharing 2 sockets"]
+    e = cost.zero_offload_step(10**9, 1024, "NVIDIA A100", "PCIe 4.0 x16", bandwidth, n)
+    if str(answer).strip().lower() == e["bottleneck"]:
+        return (f"right: compute {e['compute_s'] * 1e3:.0f} ms, link "
+                f"{e['transfer_s'] * 1e3:.0f} ms, host Adam {e['adam_s'] * 1e3:.0f} ms per "
+                "billion parameters")
+    return f"not quite: {answer!r} is not the largest of the three"
+
+
+def check_token_weight(answer) -> str:
+    """Exercise 3: micro-batches of 30 and 90 real tokens, each loss the mean over its own
+    tokens, the two averaged: how many times more a token of the short one weighs."""
+    if answer is None:
+        return "not yet: set answer to a number"
+    right = (1 / (2 * 30)) / (1 / (2 * 90))
+    if abs(float(answer) - right) <= 1e-9 * right:
+        return ("right: 1/(2 x 30) against 1/(2 x 90) per token, 3 times; over the whole "
+                "batch every token weighs 1/120")
+    return f"not quite: {answer} is {'too high' if float(answer) > right else 'too low'}"

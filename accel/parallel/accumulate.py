@@ -1,8 +1,12 @@
 """Gradient accumulation: ``k`` micro-steps, each the forward and backward pass of ``1/k`` of the
-batch adding its gradients into a buffer, then ONE optimizer update. With a loss that is a mean
-over examples, the buffer ends equal to the gradient of the whole batch, so the step equals one
-step on the ``k``-times larger batch, while only one micro-batch's activations are alive at a time
-(the micro-steps run one after the other, eagerly).
+batch adding its gradients into a buffer, then ONE optimizer update. The buffer ends equal to the
+gradient of the whole batch's mean loss because each micro-batch's loss is its examples' sum
+divided by the WHOLE batch's count (``accumulated_gradients``), so the step equals one step on
+the ``k``-times larger batch, while only one micro-batch's activations are alive at a time (the
+micro-steps run one after the other, eagerly). Averaging each micro-batch's own mean instead (as
+Keras's ``gradient_accumulation_steps`` does, ``BaseOptimizer.apply``: ``(g + acc_g) / steps``)
+gives the same only when every micro-batch counts the same number of examples or tokens; with
+variable-length sequences it weights a token of a short micro-batch more (chapter 15).
 
 ``Accumulating(model, loss=..., optimizer=..., accumulation_steps=k)`` is the same for a Keras
 model and a Keras optimizer on one device (``accel.parallel.replicas.KerasReplicas``, as

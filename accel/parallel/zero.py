@@ -95,10 +95,19 @@ class ZeroStep:
 
     def __init__(self, params: Sequence, devices: Sequence[str], stage: int, loss_fn,
                  learning_rate: float = 1e-3, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, dtype=tf.float32, *, layer_fns: Sequence[Callable]):
+                 epsilon: float = 1e-7, dtype=tf.float32, *, layer_fns: Sequence[Callable],
+                 prefetch: int | None = None):
         if stage not in STAGES or isinstance(stage, bool):
             raise ValueError(f"stage must be one of {list(STAGES)} (0 = plain data "
                              f"parallelism), got {stage!r}")
+        if prefetch is not None:
+            if stage != 3:
+                raise ValueError(f"prefetch orders stage 3's gathers; stage {stage} gathers no "
+                                 "layer: leave prefetch=None")
+            prefetch = checks.non_negative_int("prefetch", prefetch)
+        self.prefetch = prefetch
+        self._done_forward: dict[int, list] = {}
+        self._done_backward: dict[int, list] = {}
         self.devices = check_devices(devices)
         self.n = n = len(self.devices)
         self.stage, self.loss_fn = stage, loss_fn
@@ -170,40 +179,86 @@ class ZeroStep:
         use, forward and (again) backward; the weight gradient reduce-scattered back to the
         slices. The backward pass reads the slices anew: a graph sends a tensor to a device
         only once, so gathering the same read twice would ship nothing new (and would keep the
-        first gathered copy alive until the backward pass)."""
+        first gathered copy alive until the backward pass). The backward re-runs the layer on
+        its saved input (what it computed inside is not kept). With ``prefetch`` set, each
+        gather waits for the layer ``prefetch + 1`` places before it in the run order
+        (``_waiting``); the ops are named ``fwd_gather_<layer>``, ``fwd_layer_<layer>``,
+        ``bwd_gather_<layer>``, ``bwd_layer_<layer>``, ``bwd_scatter_<layer>``."""
         shards = [v.value() for v in slices]
-        devs, (ws, bs) = self.devices, self.shapes[layer]
+        devs, (ws, bs), n = self.devices, self.shapes[layer], self.n
 
         def run(h, flat):
             return self.layer_fns[layer](unflatten_layer(flat, ws, bs), h)
 
         def forward(xs):
-            full = all_gather(xs[self.n:], devs)
+            with tf.name_scope(f"fwd_gather_{layer}"):
+                full = all_gather(self._waiting(xs[n:], self._forward_wait(layer)), devs)
             out = []
-            for i, d in enumerate(devs):
-                with tf.device(d):
-                    out.append(run(xs[i], full[i]))
+            with tf.name_scope(f"fwd_layer_{layer}"):
+                for i, d in enumerate(devs):
+                    with tf.device(d):
+                        out.append(run(xs[i], full[i]))
+            self._done_forward[layer] = out
             return out
 
         def backward(dys):
-            full = all_gather([v.value() for v in slices], devs)  # the forward copy was not kept
+            with tf.name_scope(f"bwd_gather_{layer}"):  # the forward copy was not kept
+                reads = [v.value() for v in slices]
+                full = all_gather(self._waiting(reads, self._backward_wait(layer)), devs)
             dhs, dfull = [], []
-            for i, d in enumerate(devs):
-                with tf.device(d), tf.GradientTape() as tape:
-                    tape.watch([hs[i], full[i]])
-                    y = run(hs[i], full[i])
-                    dh, dw = tape.gradient(y, [hs[i], full[i]], output_gradients=dys[i])
-                dhs.append(dh)
-                dfull.append(dw)
-            return dhs + reduce_scatter(dfull, devs)
+            with tf.name_scope(f"bwd_layer_{layer}"):  # its gradient ops: gradient_tape/bwd_...
+                for i, d in enumerate(devs):
+                    with tf.device(d):
+                        with tf.GradientTape() as tape:
+                            tape.watch([hs[i], full[i]])
+                            y = run(hs[i], full[i])
+                        dh, dw = tape.gradient(y, [hs[i], full[i]], output_gradients=dys[i])
+                    dhs.append(dh)
+                    dfull.append(dw)
+            self._done_backward[layer] = dhs
+            with tf.name_scope(f"bwd_scatter_{layer}"):
+                return dhs + reduce_scatter(dfull, devs)
 
         return collective_op("GatheredLayer", list(hs) + list(shards), devs, forward, backward)
+
+    # -- stage 3's gather order (prefetch) -------------------------------------------------
+    def _forward_wait(self, layer: int) -> list | None:
+        """What the forward gather of ``layer`` waits for: the outputs of layer
+        ``layer - 1 - prefetch`` (none for the first layers, or without ``prefetch``)."""
+        if self.prefetch is None:
+            return None
+        return self._done_forward.get(layer - 1 - self.prefetch)
+
+    def _backward_wait(self, layer: int) -> list | None:
+        """What the backward gather of ``layer`` waits for: the backward of layer
+        ``layer + 1 + prefetch`` (its input gradients), or the end of the forward pass for the
+        last layers (the backward runs them first)."""
+        if self.prefetch is None:
+            return None
+        later = layer + 1 + self.prefetch
+        if later < len(self.shapes):
+            return self._done_backward.get(later)
+        return self._done_forward.get(len(self.shapes) - 1)
+
+    def _waiting(self, shards: list, wait: list | None) -> list:
+        """``shards`` passed on by an identity on each device that runs only after that
+        device's ``wait`` tensor exists (a control dependency; an identity copies nothing), so
+        the gather they feed cannot start earlier. Without ``wait``, TensorFlow's executor runs
+        a gather as soon as its slices are read: for every layer at the start of the step."""
+        if wait is None:
+            return list(shards)
+        out = []
+        for s, w, d in zip(shards, wait, self.devices, strict=True):
+            with tf.device(d), tf.control_dependencies([w]):
+                out.append(tf.identity(s))
+        return out
 
     def _gradients(self, xs, ys, batch) -> list[list]:
         """Per device, per layer: the gradient of the device's loss (stages 0-2, full vectors)
         or the device's slice of the summed gradient (stage 3)."""
         w = self.vars["weights"]
         if self.stage == 3:
+            self._done_forward, self._done_backward = {}, {}  # this trace's layers, for prefetch
             with tf.GradientTape() as tape:
                 hs = list(xs)
                 for layer in range(len(self.shapes)):
@@ -302,8 +357,11 @@ class Zero(KerasReplicas):
       master slice the optimizer updates (ZeRO counts the master weights as optimizer state).
 
     One step: every device runs ``accumulation_steps`` micro-batches of its shard. Stages 0-1
-    add the full gradients into the buffer and all-reduce it at the end (stage 1 then keeps its
-    slice); stage 2 reduce-scatters each micro-batch's gradients into the slices; stage 3
+    add the full gradients into the buffer; at the end stage 0 all-reduces it and stage 1
+    reduce-scatters it (each device gets the sum of its slice: one exchange per step, whatever
+    the number of micro-batches); stage 2 keeps only its slice, so it reduce-scatters each
+    micro-batch's gradients into it (one exchange per micro-batch, as DeepSpeed's ZeRO 2
+    does: ``accel.costmodel.zero.zero_comm_bytes_accumulated``); stage 3
     gathers each layer's weights from the slices just before the layer runs
     (``accel.collectives.all_gather``), forward and again backward, the gathered copy never
     kept, the gradient reduce-scattered back (``collective_op``). Each device updates its
@@ -312,7 +370,9 @@ class Zero(KerasReplicas):
     user's model (``KerasReplicas``). Stage 3 gathers layer by layer for a ``Sequential`` (the
     whole model at once for other models); the terms a layer adds to the loss (regularizers of
     its gathered weights, ``add_loss``) are outputs of that layer's gathered op, so their
-    gradients reach the slices as the layer's do.
+    gradients reach the slices as the layer's do. The gathers are not ordered: TensorFlow's
+    executor may run several layers' gathers at once (``ZeroStep``'s ``prefetch`` shows how
+    control dependencies bound them).
     """
 
     name = "zero"
@@ -388,33 +448,45 @@ class Zero(KerasReplicas):
     def _apply(self) -> None:
         devs, n, stage = self.devices, self.n, self.stage
         count = len(self._weights)
-        if stage < 2:
-            summed = [all_reduce([gs[j].read_value() for gs in self._grads], devs)
-                      for j in range(count)]
+        buffers = self._read_on_devices(self._grads)  # read where they live: no copy
+        if stage == 0:
+            summed = [all_reduce([b[j] for b in buffers], devs) for j in range(count)]
             grads = []
             for i, d in enumerate(devs):
                 with tf.device(d):
-                    grads.append([self._unflat(summed[j][i], j) if stage == 0
-                                  else tf.split(summed[j][i], n)[i] for j in range(count)])
+                    grads.append([self._unflat(summed[j][i], j) for j in range(count)])
+        elif stage == 1:  # the whole buffer accumulated locally, reduce-scattered once
+            parts = [reduce_scatter([b[j] for b in buffers], devs) for j in range(count)]
+            grads = [[parts[j][i] for j in range(count)] for i in range(n)]
         else:
-            grads = [[g.read_value() for g in gs] for gs in self._grads]
+            grads = buffers
         grads = self._clip(grads, devs, sliced=stage > 0)
         for i, d in enumerate(devs):
             with tf.device(d):
                 self.optimizers[i].apply(grads[i], self._full[i] if stage == 0
                                          else self._slices[i])
         if stage in (1, 2):
+            slices = self._read_on_devices(self._slices)
             for j in range(count):
-                full = all_gather([s[j].read_value() for s in self._slices], devs)
+                full = all_gather([s[j] for s in slices], devs)
                 for i, d in enumerate(devs):
                     with tf.device(d):
                         self._full[i][j].assign(self._unflat(full[i], j))
+
+    def _read_on_devices(self, variables: list[list]) -> list[list]:
+        """Per device, its variables' values read on that device (``read_value`` outside a
+        device scope would read them on the default device: a copy there and back)."""
+        out = []
+        for vs, d in zip(variables, self.devices, strict=True):
+            with tf.device(d):
+                out.append([v.read_value() for v in vs])
+        return out
 
     def _gathered_micro_step(self, xs, ys, scale) -> list:
         """Stage 3: the forward and backward with each layer's weights gathered from the
         slices; the slices' gradients (reduce-scattered) added into the buffers."""
         devs = self.devices
-        states = [[s.read_value() for s in sv] for sv in self._state_vars]
+        states = self._read_on_devices(self._state_vars)
         with tf.GradientTape() as tape:
             hs, added = list(xs), [[] for _ in devs]
             for u in range(len(self.units)):

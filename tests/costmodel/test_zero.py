@@ -73,3 +73,44 @@ def test_offload_verdict_by_hand():
     assert (small["bottleneck"], big["bottleneck"]) == ("transfer", "compute")
     with pytest.raises(ValueError, match="utilization must be in"):
         cm.offload_step(10, 10, "NVIDIA A100", "PCIe 4.0 x16", utilization=0)
+
+
+def test_megatron_table():
+    """Megatron Core's distributed-optimizer guide, as written there: bytes per parameter
+    without sharding, and with its distributed optimizer (d = data-parallel size), for
+    16-bit params and grads, 16-bit params and fp32 grads, fp32 params and grads."""
+    table = {"megatron_fp16": (20, "4 + 16/d"), "megatron_bf16": (18, "6 + 12/d"),
+             "fp32": (16, "8 + 8/d")}
+    assert cm.MEGATRON_DISTRIBUTED_OPTIMIZER == table
+    for precision, (whole, sharded) in table.items():
+        assert cm.zero_total_bytes(1000, 8, 0, precision) == whole * 1000
+        assert cm.zero_formula(1, precision).replace("Ψ", "").replace("N", "d") == sharded
+    # the ZeRO paper's 16 keeps fp16 gradients; Megatron's bf16 keeps them in fp32: 18
+    assert cm.zero_total_bytes(1, 1, 0, "mixed") == 16
+    # bf16 with fp32 gradients: the reduce-scatter moves 4-byte gradients, the all-gather
+    # 2-byte weights; Ψ = 1000, N = 4: 3/4 x 4000 + 3/4 x 2000 = 4500
+    assert cm.zero_comm_bytes(1000, 4, 1, "megatron_bf16") == 4500
+    assert cm.zero_comm_bytes(1000, 4, 0, "megatron_bf16") == 6000  # all-reduce in fp32
+
+
+def test_zero_offload_partitions_by_hand():
+    """A100 bf16 at 50%: 156e12 FLOP/s; PCIe 4.0 x16 31.5e9 B/s. With n = 8 GPUs each sends
+    its partition, 2 bytes x Ψ / 8, and each process's Adam streams 28 bytes x Ψ / 8."""
+    link = cm.offload_break_even_tokens("NVIDIA A100", "PCIe 4.0 x16", "bf16", n=8)
+    assert link == pytest.approx(2 * 156e12 / (6 * 8 * 31.5e9))  # 206 tokens
+    adam = cm.host_adam_break_even_tokens("NVIDIA A100", 51.2e9, n=8)
+    assert adam == pytest.approx(28 * 156e12 / (6 * 8 * 51.2e9))  # 1777 tokens
+    # charging one process with all Ψ at its 51.2 GB/s share gives 8 times that: 14219
+    assert cm.host_adam_break_even_tokens("NVIDIA A100", 51.2e9) == pytest.approx(8 * adam)
+    e = cm.zero_offload_step(10**9, 1024, "NVIDIA A100", "PCIe 4.0 x16", 51.2e9, n=8)
+    assert e["compute_s"] == pytest.approx(6e9 * 1024 / 156e12)
+    assert e["transfer_s"] == pytest.approx(2e9 / 8 / 31.5e9)
+    assert e["adam_s"] == pytest.approx(28e9 / 8 / 51.2e9)
+    assert e["dpu_s"] == e["adam_s"] and e["bottleneck"] == "host adam"
+    assert e["serial_s"] == pytest.approx(e["compute_s"] + e["adam_s"])
+    two_nodes = cm.zero_offload_step(10**9, 1024, "NVIDIA A100", "PCIe 4.0 x16", 51.2e9, n=16)
+    assert two_nodes["bottleneck"] == "compute"
+    with pytest.raises(ValueError, match="host_bandwidth must be a number > 0"):
+        cm.zero_offload_step(10, 10, "NVIDIA A100", "PCIe 4.0 x16", 0.0)
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+        cm.offload_step(10, 10, "NVIDIA A100", "PCIe 4.0 x16", n=0)

@@ -140,3 +140,78 @@ def test_the_layers_are_the_callers(four_devices, stage):
         assert got == pytest.approx(float(loss), rel=1e-12)
     for got, want in zip(step.weights(0), vs, strict=True):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-12)
+
+
+DEEP = [6, 8, 8, 8, 4]  # four layers: prefetch has something to order
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_stage3_prefetch_equals_single_device_adam(four_devices, prefetch):
+    """The gather order changes nothing computed: weights after 3 steps equal Keras' Adam on one
+    device (float64), and the bytes sent equal the formula."""
+    params = mlp_init(DEEP, seed=5)
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(8, DEEP[0])), rng.normal(size=(8, DEEP[-1]))
+    vs = [tf.Variable(p.astype(np.float64)) for p in params]
+    opt = tf.keras.optimizers.Adam(**HYPER)
+    step = ZeroStep(params, four_devices, 3, squared_error, **HYPER, dtype=tf.float64,
+                    layer_fns=fns(params), prefetch=prefetch)
+    xs = collectives.place(list(np.split(x, 4)), four_devices)
+    ys = collectives.place(list(np.split(y, 4)), four_devices)
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(squared_error(y, mlp_apply(vs, x)))
+        opt.apply_gradients(zip(tape.gradient(loss, vs), vs, strict=False))
+        got = float(sum(v.numpy() for v in step.step(xs, ys)))
+        assert got == pytest.approx(float(loss), rel=1e-12)
+    for got, want in zip(step.weights(), vs, strict=True):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-12)
+    sent = collectives.sent_bytes(step.step, xs, ys)  # identities and control edges: no bytes
+    # by hand, float64: 3 x (4 - 1) / 4 x 8 bytes x 236 parameters = 4248 per device
+    assert step.padded_params == 236
+    assert sent == {d: 4248 for d in four_devices}
+
+
+def _waits(step, xs, ys) -> dict[str, set[str]]:
+    """Gather scope -> the layer scopes its identities wait for (control inputs), read from the
+    traced graph."""
+    graph = step.step.get_concrete_function(xs, ys).graph
+    out = {}
+    for op in graph.get_operations():
+        scope = op.name.split("/")[0] if "gather_" in op.name.split("/")[0] else None
+        if scope is None:
+            continue
+        for c in op.control_inputs:
+            out.setdefault(scope, set()).add(c.name.removeprefix("gradient_tape/").split("/")[0])
+    return out
+
+
+@pytest.mark.parametrize("prefetch", [None, 0, 1])
+def test_each_gather_waits_for_the_layer_prefetch_plus_one_before(four_devices, prefetch):
+    """Forward: the gather of layer l waits for layer l - 1 - p; backward (last layer first):
+    for layer l + 1 + p's backward, or for the end of the forward pass; None: nothing."""
+    params = mlp_init(DEEP, seed=5)
+    step = ZeroStep(params, four_devices, 3, squared_error, layer_fns=fns(params),
+                    prefetch=prefetch)
+    xs = collectives.place([tf.ones((2, DEEP[0]))] * 4, four_devices)
+    ys = collectives.place([tf.ones((2, DEEP[-1]))] * 4, four_devices)
+    waits = _waits(step, xs, ys)
+    if prefetch is None:
+        assert waits == {}
+        return
+    p, last = prefetch, len(DEEP) - 2
+    want = {f"fwd_gather_{k}": {f"fwd_layer_{k - 1 - p}"} for k in range(len(DEEP) - 1)
+            if k - 1 - p >= 0}
+    for k in range(len(DEEP) - 1):
+        later = k + 1 + p
+        want[f"bwd_gather_{k}"] = ({f"bwd_layer_{later}"} if later <= last
+                                   else {f"fwd_layer_{last}"})
+    assert waits == want
+
+
+def test_prefetch_is_for_stage_3(four_devices):
+    params = mlp_init(SIZES)
+    with pytest.raises(ValueError, match="prefetch orders stage 3's gathers; stage 2"):
+        ZeroStep(params, four_devices, 2, squared_error, layer_fns=fns(params), prefetch=1)
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+        ZeroStep(params, four_devices, 3, squared_error, layer_fns=fns(params), prefetch=-1)
