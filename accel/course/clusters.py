@@ -5,7 +5,7 @@ the checks of exercise 1 (which step updates a retried function leaves wrong, un
 at-least-once with reordering: each update simulated exactly once and with one step retried
 after later ones), exercise 2 (bytes per link per synchronous step, dedicated and colocated
 parameter servers against a ring all-reduce, counted message by message by ``link_bytes``) and
-exercise 3 (Young's checkpoint interval for a failure rate)."""
+exercise 3 (backup workers against stragglers: the expected time of a synchronous step)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from accel.distributed.cluster import LocalCluster
 
 __all__ = ["problem", "bench", "STEP_UPDATES", "RETRY_ORDER", "not_idempotent",
            "check_idempotent", "link_bytes", "BANDWIDTH_WORKERS", "BANDWIDTH_BYTES",
-           "check_bandwidth", "FAILURES", "SAVE_SECONDS", "check_checkpoint"]
+           "check_bandwidth", "STRAGGLERS", "sync_step_time", "check_backup"]
 
 
 def problem(steps: int = 6, global_batch: int = 32, sizes: tuple = (8, 16, 1),
@@ -253,37 +253,53 @@ def check_bandwidth(answer) -> str:
     return f"exercise 2: not quite: check {', '.join(wrong)} with clusters.link_bytes"
 
 
-# Exercise 3: Llama 3 405B's pre-training, 419 unexpected interruptions in 54 days on up to 16K
-# GPUs (Dubey et al. 2024, section 3.3.4); an assumed save that stalls training for 60 s
-FAILURES = {"unexpected interruptions": 419, "days": 54}
-SAVE_SECONDS = 60.0
+# Exercise 3: backup workers (Chen et al. 2016, "Revisiting Distributed Synchronous SGD",
+# arXiv:1604.00981): 16 workers, each step takes 1 s, but each worker independently straggles
+# (3 s) in 1% of its steps; a step ends when ``aggregate`` gradients are in
+STRAGGLERS = {"workers": 16, "step_s": 1.0, "slow_s": 3.0, "p_slow": 0.01}
 
 
-def _young(save: float, mtbf: float) -> float:
-    return math.sqrt(2.0 * save * mtbf)
+def sync_step_time(workers: int, aggregate: int, step_s: float, slow_s: float,
+                   p_slow: float) -> float:
+    """Expected seconds of one synchronous step that ends when the first ``aggregate`` of
+    ``workers`` gradients are in (``SyncReplicasOptimizer(replicas_to_aggregate=aggregate,
+    total_num_replicas=workers)``; ``aggregate == workers``: no backup), when each worker takes
+    ``step_s`` seconds, or independently with probability ``p_slow`` ``slow_s`` seconds. The step
+    is slow when more than ``workers - aggregate`` workers are: a binomial tail."""
+    if not 1 <= aggregate <= workers:
+        raise ValueError(f"need 1 <= aggregate <= workers, not {aggregate} of {workers}")
+    if not 0.0 <= p_slow <= 1.0:
+        raise ValueError(f"p_slow must be a probability, not {p_slow}")
+    if not 0.0 < step_s <= slow_s:
+        raise ValueError(f"need 0 < step_s <= slow_s, not {step_s} and {slow_s}")
+    spare = workers - aggregate
+    fast_enough = sum(math.comb(workers, k) * p_slow ** k * (1.0 - p_slow) ** (workers - k)
+                      for k in range(spare + 1))
+    return step_s + (slow_s - step_s) * (1.0 - fast_enough)
 
 
-def _checkpoint_answer() -> tuple[float, float, float]:
-    mtbf = FAILURES["days"] * 86400.0 / FAILURES["unexpected interruptions"]
-    now, larger = _young(SAVE_SECONDS, mtbf), _young(SAVE_SECONDS, mtbf / 4)
-    lost = SAVE_SECONDS / larger + larger / (2 * mtbf / 4)
-    return now / 60.0, larger / 60.0, lost
+def _backup_answer() -> tuple[float, float, float]:
+    s = STRAGGLERS
+    w = s["workers"]
+    every = sync_step_time(w, w, s["step_s"], s["slow_s"], s["p_slow"])
+    backup = sync_step_time(w, w - 1, s["step_s"], s["slow_s"], s["p_slow"])
+    return every, backup, ((w - 1) / backup) / (w / every)
 
 
-def check_checkpoint(answer) -> str:
-    """Exercise 3: ``(Young's interval in minutes for the job's failure rate, the interval in
-    minutes for a job four times larger with the same failure rate per GPU, the fraction of
-    time the larger job loses to saves and recomputation at its interval)``."""
+def check_backup(answer) -> str:
+    """Exercise 3: ``(the expected step time waiting for all 16 gradients, the expected step time
+    averaging the first 15 (one backup worker), the gradients applied per second with the backup
+    as a multiple of those without)`` for ``STRAGGLERS``."""
     if answer is None or answer is ... or None in answer or ... in answer:
         return "exercise 3: not answered yet"
     if len(answer) != 3:
-        raise ValueError(f"answer must be (minutes, minutes, fraction), not {answer!r}")
-    right = _checkpoint_answer()
-    names = ("interval now", "interval at 4x", "time lost at 4x")
+        raise ValueError(f"answer must be (seconds, seconds, ratio), not {answer!r}")
+    right = _backup_answer()
+    names = ("step time, all 16", "step time, first 15", "gradients per second ratio")
     wrong = [n for n, a, r in zip(names, answer, right, strict=True)
-             if not np.isclose(float(a), r, rtol=0.02, atol=0)]
+             if not np.isclose(float(a), r, rtol=0.01, atol=0)]
     if not wrong:
-        return ("exercise 3: correct: four times the GPUs, a quarter of the MTBF: the interval "
-                "halves and the time lost doubles; only a cheaper save (or restart) brings it "
-                "back down")
-    return f"exercise 3: not quite: check {', '.join(wrong)} (within 2%)"
+        return ("exercise 3: correct: with 16 workers one straggler in 100 steps per worker "
+                "slows about one step in seven; a backup worker makes that about one in a "
+                "hundred, at the price of one gradient in 16 dropped every step")
+    return f"exercise 3: not quite: check {', '.join(wrong)} (within 1%)"

@@ -139,18 +139,21 @@ def mirrored_run(model_fn: Callable, init: list[np.ndarray], batches: list,
 def gated_step(params, applied, finished, gate, xs, ys, model_fn, learning_rate):
     """The function the coordinator schedules once per global batch ``s``: SGD on the ps's
     weights, counted there, then a wait at ``gate`` (a queue on the ps) before it counts as
-    finished. The token passes through the worker, so a function cut off with its worker never
-    counts."""
+    finished. ``tf.function`` orders stateful ops only on the same resource, so the order
+    (weights, then the counter, then the gate) is made explicit with control dependencies. The
+    token passes through the worker, so a function cut off with its worker never counts."""
 
     @tf.function
     def step(s):
         xb, yb = tf.gather(xs, s), tf.gather(ys, s)
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(training.squared_error(yb, model_fn(params, xb)))
-        for v, g in zip(params, tape.gradient(loss, params), strict=True):
-            v.assign_sub(learning_rate * g)  # the update, on the ps
-        applied.assign_add(1)  # one more update on the ps
-        token = tf.identity(gate.dequeue())  # wait at the gate
+        updates = [v.assign_sub(learning_rate * g)  # the update, on the ps
+                   for v, g in zip(params, tape.gradient(loss, params), strict=True)]
+        with tf.control_dependencies(updates):  # counted only once every weight is updated
+            counted = applied.assign_add(1)
+        with tf.control_dependencies([counted]):  # the gate only after that
+            token = tf.identity(gate.dequeue())
         finished.assign_add(token * 0 + 1)  # only a function that got past it counts
     return step
 

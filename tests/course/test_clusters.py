@@ -1,9 +1,8 @@
 """accel.course.clusters: the exercises' checks say "not answered yet" for the placeholders,
 accept the right answers (the solutions, written out here) and refuse wrong ones; the byte
-counts agree with the closed forms; Young's interval is the minimum of its cost, found by a
-search; the shared problem's reference is plain SGD."""
+counts agree with the closed forms; the expected synchronous step time with stragglers agrees
+with a simulation; the shared problem's reference is plain SGD."""
 
-import math
 
 import numpy as np
 import pytest
@@ -74,24 +73,39 @@ def test_exercise_2_ps_machines_and_colocated_bytes():
         clusters.check_bandwidth((9, 7.5e9, 1))
 
 
-def test_exercise_3_youngs_interval():
-    assert clusters.check_checkpoint(None) == "exercise 3: not answered yet"
-    assert clusters.check_checkpoint((None, None, None)) == "exercise 3: not answered yet"
-    mtbf = 54 * 86400 / 419  # seconds: one unexpected interruption every ~3.1 hours
-    # Young's interval minimises save / tau + tau / (2 MTBF): check by a search, not the formula
-    taus = np.linspace(60.0, 7200.0, 200_001)
-    for m in (mtbf, mtbf / 4):
-        cost = 60.0 / taus + taus / (2 * m)
-        assert taus[np.argmin(cost)] == pytest.approx(math.sqrt(2 * 60.0 * m), rel=1e-4)
-    now, larger = math.sqrt(2 * 60 * mtbf) / 60, math.sqrt(2 * 60 * mtbf / 4) / 60
-    assert (round(now, 1), round(larger, 2)) == (19.3, 9.63)
-    lost = math.sqrt(2 * 60 / (mtbf / 4))  # at the optimum the two terms are equal
-    assert clusters.check_checkpoint((now, larger, lost)).startswith("exercise 3: correct")
-    assert clusters.check_checkpoint((19.3, 9.6, 0.21)).startswith("exercise 3: correct")
-    assert "interval at 4x" in clusters.check_checkpoint((19.3, 4.8, 0.21))
-    assert "time lost at 4x" in clusters.check_checkpoint((19.3, 9.6, 0.104))
+def test_sync_step_time_against_a_simulation():
+    # independent: draw every worker's step time and take the aggregate-th fastest
+    rng = np.random.default_rng(0)
+    slow = rng.random((200_000, 16)) < 0.01
+    times = np.where(slow, 3.0, 1.0)
+    for aggregate in (16, 15, 14):
+        simulated = np.sort(times, axis=1)[:, aggregate - 1].mean()
+        assert clusters.sync_step_time(16, aggregate, 1.0, 3.0, 0.01) == pytest.approx(
+            simulated, rel=5e-3)
+    assert clusters.sync_step_time(4, 4, 1.0, 3.0, 0.0) == 1.0
+    assert clusters.sync_step_time(4, 1, 1.0, 3.0, 1.0) == 3.0
+    for bad in ((4, 5, 1.0, 3.0, 0.1), (4, 0, 1.0, 3.0, 0.1), (4, 4, 1.0, 3.0, 1.5),
+                (4, 4, 3.0, 1.0, 0.1)):
+        with pytest.raises(ValueError):
+            clusters.sync_step_time(*bad)
+
+
+def test_exercise_3_backup_workers():
+    assert clusters.check_backup(None) == "exercise 3: not answered yet"
+    assert clusters.check_backup((None, None, None)) == "exercise 3: not answered yet"
+    # by hand: all 16 wait for the slowest: 1 + 2 * (1 - 0.99^16) = 1.2971 s; the first 15 are
+    # late only if two or more straggle: 1 + 2 * (1 - 0.99^16 - 16 * 0.01 * 0.99^15) = 1.0219 s;
+    # gradients per second: (15 / 1.0219) / (16 / 1.2971) = 1.190
+    every = 1 + 2 * (1 - 0.99 ** 16)
+    backup = 1 + 2 * (1 - 0.99 ** 16 - 16 * 0.01 * 0.99 ** 15)
+    assert (round(every, 4), round(backup, 4)) == (1.2971, 1.0219)
+    ratio = (15 / backup) / (16 / every)
+    assert clusters.check_backup((every, backup, ratio)).startswith("exercise 3: correct")
+    assert clusters.check_backup((1.297, 1.022, 1.19)).startswith("exercise 3: correct")
+    assert "first 15" in clusters.check_backup((1.297, 1.0, 1.19))
+    assert "ratio" in clusters.check_backup((1.297, 1.022, 1.27))
     with pytest.raises(ValueError, match="answer must be"):
-        clusters.check_checkpoint((19.3, 9.6))
+        clusters.check_backup((1.297, 1.022))
 
 
 def test_problem_trains():

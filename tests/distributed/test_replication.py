@@ -88,6 +88,11 @@ def test_async_applies_every_gradient_once_at_a_recorded_version(cluster, proble
     assert len(result.update_sizes) == result.updates
     total = max(np.max(np.abs(LR * g)) for g in result.gradient_sum)
     assert max(result.update_sizes) >= total / result.updates * (1 - 1e-6)
+    # the check above has teeth: a lost or overwritten update would leave some weight off by
+    # its size, and the smallest update is over 100 x the chapter's tolerance (rtol 1e-5,
+    # atol 1e-6 of allclose)
+    scale = max(np.max(np.abs(w)) for w in want)
+    assert min(result.update_sizes) > 100 * (1e-6 + 1e-5 * scale)
 
 
 @pytest.mark.slow
