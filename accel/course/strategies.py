@@ -4,8 +4,9 @@
 into printable rows. The checkpoint-interval models: ``young_interval`` (Young 1974, first
 order), ``daly_interval`` (Daly 2006, higher order) and ``lost_fraction`` (Daly's expected wall
 time for exponentially distributed failures, saves and restarts that can themselves be
-interrupted). ``check_resume``, ``check_backup_every_2_batches`` and ``check_lever`` check the
-chapter's exercises (solutions in ``tests/course/test_strategies.py``).
+interrupted), and the worked example's numbers (Llama 3 405B's checkpoint on Llama 3's storage,
+its failure rate). ``check_scale``, ``check_backup_every_2_batches`` and ``check_lever`` check
+the chapter's exercises (solutions in ``tests/course/test_strategies.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ import math
 from accel import checks
 
 __all__ = ["input_table", "compact", "young_interval", "daly_interval", "lost_fraction",
-           "check_resume", "check_backup_every_2_batches", "check_lever"]
+           "check_scale", "check_backup_every_2_batches", "check_lever", "MTBF_16K", "SAVE_STALL",
+           "RESTART"]
+
+# The worked example of chapter 14, section 5. Llama 3 ("The Llama 3 Herd of Models", 2024):
+# 419 unexpected interruptions in 54 days on 16,384 H100s (section 3.3.4); storage sustains
+# 2 TB/s (section 3.3.1). A checkpoint of the 405B model: fp32 weights and Adam's two fp32
+# moments (12 bytes) plus bf16 weights (2 bytes) per parameter.
+MTBF_16K = 54 * 24 * 3600 / 419
+SAVE_STALL = 405e9 * 14 / 2e12
+RESTART = 600.0
 
 def compact(records: list[str]) -> str:
     """``["f0:0", "f0:1", "f2:0"]`` -> ``"f0:0-1 f2:0"``: records grouped by file."""
@@ -81,21 +91,27 @@ def lost_fraction(interval_seconds: float, save_seconds: float, restart_seconds:
     return 1.0 - interval_seconds / wall
 
 
-def check_resume(answer) -> str:
-    """Exercise 1: checkpoints every 3 steps, a worker killed right after step 7, all restart:
-    ``(resume_step, repeated)`` = the checkpoint's step and the steps computed twice."""
+def check_scale(answer) -> str:
+    """Exercise 1: the worked example (plain saves stalling ``SAVE_STALL`` s, a restart of
+    ``RESTART`` s) on 2x and 8x the GPUs, whose MTBF is then ``MTBF_16K / 2`` and ``/ 8``
+    (independent failures: the rate adds up over the GPUs), each at Young's interval:
+    ``(lost_at_2x, lost_at_8x)``, the fractions of time lost, within 0.01."""
     if answer is None or answer is ...:
         return "exercise 1: not answered yet"
-    every, killed_after = 3, 7
-    resume = killed_after // every * every
     try:
-        given = tuple(int(a) for a in answer)
+        given = tuple(float(a) for a in answer)
     except (TypeError, ValueError):
-        return f"exercise 1: give two integers (resume_step, repeated), got {answer!r}"
-    if given == (resume, killed_after - resume):
+        return f"exercise 1: give two fractions (lost_at_2x, lost_at_8x), got {answer!r}"
+    if len(given) != 2:
+        return f"exercise 1: give two fractions (lost_at_2x, lost_at_8x), got {answer!r}"
+    want = []
+    for scale in (2, 8):
+        mtbf = MTBF_16K / scale
+        want.append(lost_fraction(young_interval(SAVE_STALL, mtbf), SAVE_STALL, RESTART, mtbf))
+    if all(abs(g - w) <= 0.01 for g, w in zip(given, want, strict=True)):
         return "exercise 1: correct"
-    return (f"exercise 1: not {answer}: the restart loads the last checkpoint written before the "
-            f"kill, and every step after it is computed again")
+    return (f"exercise 1: not {answer}: divide the MTBF by the scale, re-optimise the interval "
+            f"with young_interval, then call lost_fraction (fractions, not percentages)")
 
 
 def check_backup_every_2_batches(answer) -> str:
@@ -115,10 +131,11 @@ def check_backup_every_2_batches(answer) -> str:
 
 
 def check_lever(answer) -> str:
-    """Exercise 3: the chapter's worked example with asynchronous saves (a save stalls training
-    5 s, a restart takes 600 s, MTBF from Llama 3) loses some fraction of the time; which halves
-    that loss more, ``"save"`` (a 2.5 s stall, the interval re-optimised) or ``"restart"``
-    (300 s)? The restart: once saves are cheap, the restart term ``R / M`` dominates the loss."""
+    """Exercise 3: the chapter's worked example with plain saves (a save stalls training
+    ``SAVE_STALL`` s, a restart takes ``RESTART`` s, MTBF from Llama 3) loses some fraction of
+    the time; which cuts that loss more, halving the stall (the interval re-optimised) or
+    halving the restart? The restart: once saves take seconds, the restart term ``R / M``
+    dominates the loss."""
     if answer is None or answer is ...:
         return "exercise 3: not answered yet"
     if answer == "restart":

@@ -19,10 +19,26 @@ def test_input_table_one_line_per_key():
 
 
 def test_exercise_1_solution_and_placeholder():
-    assert course.check_resume(None) == "exercise 1: not answered yet"
-    assert course.check_resume((6, 1)) == "exercise 1: correct"
-    assert course.check_resume((7, 0)).startswith("exercise 1: not (7, 0)")
-    assert "two integers" in course.check_resume("six")
+    assert course.check_scale(None) == "exercise 1: not answered yet"
+    # by hand: the MTBF divided by the scale, Young's interval, Daly's expected wall time
+    mtbf = 54 * 24 * 3600 / 419
+    save, restart = 405e9 * 14 / 2e12, 600.0
+    solution = []
+    for scale in (2, 8):
+        m = mtbf / scale
+        tau = math.sqrt(2 * save * m)
+        solution.append(1 - tau / (m * math.exp(restart / m) * math.expm1((tau + save) / m)))
+    assert course.check_scale(tuple(solution)) == "exercise 1: correct"
+    assert 0.1 < solution[0] < solution[1] < 0.6  # more GPUs, more of the time lost
+    assert course.check_scale((solution[1], solution[0])).startswith("exercise 1: not")
+    assert "two fractions" in course.check_scale("six")
+    assert "two fractions" in course.check_scale((0.1,))
+
+
+def test_worked_example_constants():
+    assert math.isclose(course.MTBF_16K / 3600, 3.093, abs_tol=1e-3)
+    assert math.isclose(course.SAVE_STALL, 2.835)  # 5.67 TB at 2 TB/s
+    assert course.RESTART == 600.0
 
 
 def test_exercise_2_solution_and_the_fact_it_rests_on(tmp_path):
@@ -105,6 +121,7 @@ def test_exercise_3_solution_and_the_numbers_it_rests_on():
     def lost(save, restart):
         return course.lost_fraction(course.young_interval(save, mtbf), save, restart, mtbf)
 
-    base = lost(5.0, 600.0)
-    assert lost(5.0, 300.0) < lost(2.5, 600.0) < base
+    save = course.SAVE_STALL
+    base = lost(save, 600.0)
+    assert lost(save, 300.0) < lost(save / 2, 600.0) < base
     assert math.isclose(mtbf / 3600, 3.093, abs_tol=1e-3)
