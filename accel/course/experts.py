@@ -73,7 +73,9 @@ def dispatch_rows(tokens: int = 4096, gpus_per_node: int = 8, nodes: int = 8,
     routed uniformly: for three layouts, the bytes one GPU sends on its slowest link in the
     forward pass (dispatch in FP8 with its scales, ``bits_per_element("FP8, 1x128 tiles")``,
     plus combine in BF16) and their modelled time (``all_to_all_time``, once each way),
-    beside the experts' forward compute at ``utilization`` of the H100's dense BF16 peak.
+    beside the experts' forward compute at ``utilization`` of the H100's dense BF16 peak
+    (``compute_s``) and of its dense FP8 peak (``compute_fp8_s``: DeepSeek-V3 runs the expert
+    GEMMs in FP8, section 3.3.1).
 
     * EP inside one node: ``gpus_per_node`` GPUs over NVLink 4; a token's copy for an expert on
       another GPU of the node crosses NVLink: ``(g - 1) / g`` of the ``tokens * k`` copies.
@@ -94,6 +96,7 @@ def dispatch_rows(tokens: int = 4096, gpus_per_node: int = 8, nodes: int = 8,
     copies = tokens * m["k"]
     flops = copies * 6 * m["width"] * m["expert_hidden"]  # three matrices, 2 FLOPs per MAC
     compute = flops / (utilization * peak_flops("NVIDIA H100 SXM", "bf16"))
+    compute_fp8 = flops / (utilization * peak_flops("NVIDIA H100 SXM", "fp8"))
     nvlink, ib = link_bandwidth("NVLink 4 (H100, per GPU)"), link_bandwidth(
         "InfiniBand NDR (400 Gb/s)")
     cases = [
@@ -110,7 +113,7 @@ def dispatch_rows(tokens: int = 4096, gpus_per_node: int = 8, nodes: int = 8,
         t = (all_to_all_time(half * bits_per_element("FP8, 1x128 tiles") / 8, n, alpha, bw)
              + all_to_all_time(half * 2, n, alpha, bw))
         rows.append({"layout": name, "link": link, "bytes": nbytes, "time_s": t,
-                     "compute_s": compute})
+                     "compute_s": compute, "compute_fp8_s": compute_fp8})
     return rows
 
 
@@ -178,11 +181,12 @@ def figure_balance(runs: dict):
 
 
 # ----------------------------------------------------------------------------- exercises
-CAPACITY_BUDGET = {"k": 2, "groups": 4, "max_dropped_share": 0.05, "step": 0.05}
+CAPACITY_BUDGET = {"k": 2, "groups": 1, "max_dropped_share": 0.05, "step": 0.05}
 
 
 def _dropped(factor: float) -> tuple[int, int]:
-    """Choices dropped (and made) by top-2 routing of the small problem in 4 groups."""
+    """Choices dropped (and made) by top-2 routing of the small problem in
+    ``CAPACITY_BUDGET["groups"]`` groups (one group of all 64 tokens)."""
     x, gate, _ = problem_inputs()
     b = CAPACITY_BUDGET
     dropped = made = 0
@@ -210,7 +214,7 @@ def capacity_answer() -> float:
 
 def check_capacity(answer) -> str:
     """Exercise 1: the smallest capacity factor (a multiple of 0.05) that drops at most 5% of
-    the small problem's top-2 choices (4 groups)."""
+    the small problem's top-2 choices, its 64 tokens routed as one group."""
     if answer is None:
         return "exercise 1: not answered yet"
     if isinstance(answer, bool) or not isinstance(answer, int | float) or answer <= 0:
@@ -229,34 +233,49 @@ def check_capacity(answer) -> str:
 
 
 IB_QUESTION = {"gpus": 16, "gpus_per_node": 4, "experts": 64, "k": 2, "tokens": 1024,
-               "width": 4096, "bytes_per_value": 2}
+               "width": 4096, "expert_hidden": 1024, "matrices": 3, "bytes_per_value": 2}
 
 
-def ib_bytes_answer() -> tuple[int, int]:
-    """Bytes one GPU sends over InfiniBand in one dispatch, uniform routing: (EP=16 over the 4
-    nodes, EP=4 inside each node). EP=16: each of the ``tokens * k`` copies goes to one of 16
-    GPUs, 12 of them in other nodes. EP=4 in a node: every copy stays in the node."""
+def ib_bytes_per_gpu() -> tuple[int, int]:
+    """InfiniBand bytes one GPU sends, uniform routing, BF16: (layout A, EP=16 over the 4 nodes:
+    dispatch and combine in the forward and again in the backward pass, per micro-batch;
+    layout B, EP=4 inside each node times DP=4 across the nodes: the ring all-reduce of its 16
+    experts' gradients over the 4 copies, ``2 (d - 1) / d`` of them, once per step)."""
     q = IB_QUESTION
-    copies = q["tokens"] * q["k"]
     remote = (q["gpus"] - q["gpus_per_node"]) / q["gpus"]
-    return int(copies * remote * q["width"] * q["bytes_per_value"]), 0
+    copy = q["width"] * q["bytes_per_value"]
+    a = int(4 * q["tokens"] * q["k"] * remote * copy)
+    dp = q["gpus"] // q["gpus_per_node"]
+    held = q["experts"] // q["gpus_per_node"]  # experts on one GPU of an EP=4 group
+    grads = held * q["matrices"] * q["width"] * q["expert_hidden"] * q["bytes_per_value"]
+    return a, int(2 * (dp - 1) / dp * grads)
+
+
+def ib_bytes_answer() -> int:
+    """The smallest number of micro-batches per step for which layout A sends more bytes over
+    InfiniBand per GPU than layout B."""
+    a, b = ib_bytes_per_gpu()
+    return b // a + 1
 
 
 def check_ib_bytes(answer) -> str:
-    """Exercise 2: ``(bytes over InfiniBand with EP=16, with EP=4 x DP=4)`` per GPU and
-    dispatch."""
+    """Exercise 2: the smallest number of micro-batches per optimizer step from which EP=16
+    (all-to-all over InfiniBand every micro-batch) sends more InfiniBand bytes per GPU than
+    EP=4 x DP=4 (an expert-gradient all-reduce across the nodes once per step)."""
     if answer is None:
         return "exercise 2: not answered yet"
-    if not isinstance(answer, tuple | list) or len(answer) != 2:
-        return "exercise 2: not quite: give a pair (EP=16 bytes, EP=4 x DP=4 bytes)"
+    if isinstance(answer, bool) or not isinstance(answer, int) or answer < 1:
+        return f"exercise 2: not quite: give a whole number of micro-batches >= 1, got {answer!r}"
+    a, b = ib_bytes_per_gpu()
     want = ib_bytes_answer()
-    if tuple(answer) == want:
-        return ("exercise 2: correct: EP=4 keeps the all-to-all on NVLink; it pays instead with "
-                "four copies of every expert and an expert-gradient all-reduce across nodes")
-    if answer[1] != 0:
-        return ("exercise 2: not yet: with EP=4 inside a node, where does a token's copy go? "
-                "Count the InfiniBand bytes of that layout again")
-    return f"exercise 2: not yet: {answer[0]} for EP=16; count the copies that leave the node"
+    if answer == want:
+        return (f"exercise 2: correct: A sends {a / 1e6:.1f} MB per micro-batch, B "
+                f"{b / 1e6:.1f} MB per step; B also holds 4 copies of every expert, and its "
+                "all-reduce can overlap the backward pass while A's all-to-all sits between "
+                "the layers")
+    return (f"exercise 2: not yet: count A's four all-to-alls per micro-batch (12 of 16 GPUs "
+            f"are in other nodes) and B's ring all-reduce of the gradients of the 16 experts "
+            f"one GPU holds; {answer} is too {'few' if answer < want else 'many'}")
 
 
 def check_bias_rate(answer, runs: dict | None = None) -> str:
