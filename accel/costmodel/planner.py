@@ -24,7 +24,12 @@ plan: memory per device and time per step, from plain numbers (no TensorFlow).
   t`` with sequence parallelism, where the input lives split by sequence), with full
   recomputation, plus one layer's whole set while it is recomputed. Interleaving ``v`` chunks
   multiplies the first stage's activations by ``1 + (p - 1) / (p v)`` (Korthikanti et al.,
-  section 4.2.3);
+  section 4.2.3). ZeRO 3 (``data > 1``) adds its working set (``Memory.working``): one block's
+  weights gathered whole (its tensor shard), twice (the block that runs and the next, prefetched),
+  and that block's unsharded gradient before its reduce-scatter, ``(2 w + g) x`` one block's
+  parameters; a gathering unit of one block is FSDP's per-block wrapping (torchtitan), and
+  DeepSpeed, which gathers per submodule and caps the live parameters
+  (``stage3_max_live_parameters``), holds less;
 * ``step_time``: compute at ``utilization`` of the peak, the pipeline's clock set by its
   slowest stage, the last (its blocks and the logit layer, as Megatron-LM places it); per layer
   and micro-batch the tensor-parallel all-reduces of the ``s b h`` activation (2 forward, 2
@@ -92,6 +97,7 @@ STATE_BYTES: dict[str, tuple[int, int, int]] = {
     "fp32": (4, 4, 8),            # float32 Adam: the weights are their own master copy
 }
 PRECISION = "mixed"
+DGX_A100_HOST_BYTES = 2e12  # system memory of a DGX A100 640 GB (NVIDIA DGX A100 data sheet, 2020)
 RECOMPUTE = ("none", "selective", "full")
 _SHARDED = {0: (), 1: (2,), 2: (1, 2), 3: (0, 1, 2)}  # ZeRO stage -> sharded parts
 
@@ -122,7 +128,8 @@ class Transformer:
 
 @dataclass(frozen=True)
 class Cluster:
-    """``nodes`` nodes of ``gpus_per_node`` GPUs; bandwidths are per GPU, one direction."""
+    """``nodes`` nodes of ``gpus_per_node`` GPUs; bandwidths are per GPU, one direction;
+    ``host_memory_bytes``: the system memory of one node (0: not known)."""
 
     gpus_per_node: int
     nodes: int
@@ -130,12 +137,14 @@ class Cluster:
     peak_flops: float
     intra_node_bps: float
     inter_node_bps: float
+    host_memory_bytes: float = 0.0
 
     def __post_init__(self):
         checks.positive_int("gpus_per_node", self.gpus_per_node)
         checks.positive_int("nodes", self.nodes)
         for name in ("memory_bytes", "peak_flops", "intra_node_bps", "inter_node_bps"):
             checks.positive_number(name, getattr(self, name))
+        checks.non_negative_number("host_memory_bytes", self.host_memory_bytes)
 
     @property
     def gpus(self) -> int:
@@ -144,7 +153,8 @@ class Cluster:
     @classmethod
     def dgx_a100(cls, nodes: int, gpus: int | None = None) -> Cluster:
         """DGX A100 nodes (A100 80 GB, bf16 dense peak, NVLink 3 through NVSwitch, one HDR
-        adapter per GPU); ``gpus`` (a multiple of 8) instead of ``nodes`` if given."""
+        adapter per GPU, 2 TB of system memory: NVIDIA DGX A100 data sheet, 2020, the 640 GB
+        system); ``gpus`` (a multiple of 8) instead of ``nodes`` if given."""
         per_node, out = NODES["DGX A100"]
         if gpus is not None:
             if checks.positive_int("gpus", gpus) % per_node:
@@ -152,7 +162,7 @@ class Cluster:
             nodes = gpus // per_node
         return cls(per_node, checks.positive_int("nodes", nodes),
                    MEMORY_GB["NVIDIA A100"].value * 1e9, peak_flops("NVIDIA A100", "bf16"),
-                   link_bandwidth("NVLink 3 (A100, per GPU)"), out.value * 1e9)
+                   link_bandwidth("NVLink 3 (A100, per GPU)"), out.value * 1e9, DGX_A100_HOST_BYTES)
 
 
 @dataclass(frozen=True)
@@ -211,10 +221,11 @@ class Memory:
     gradients: float
     optimizer: float
     activations: float
+    working: float = 0.0  # ZeRO 3: gathered weights (this block and the next) and its gradient
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + self.activations + self.working
 
 
 @dataclass(frozen=True)
@@ -359,7 +370,7 @@ def _check(model: Transformer, cluster: Cluster | None, plan: Plan, batch: int) 
         if model.layers % (p * v):
             raise ValueError(f"interleave={v} x pipeline={p} chunks do not split "
                              f"{model.layers} layers evenly")
-        if m % p:  # Megatron-LM's interleaved schedule refuses it
+        if m % p:  # Megatron-LM's interleaved schedule refuses it with its default group size
             raise ValueError(f"interleave={v} needs the micro-batches ({m}) to be a multiple "
                              f"of pipeline={p}")
     return m
@@ -376,7 +387,11 @@ def memory_per_device(model: Transformer, plan: Plan, batch: int,
     acts = in_flight * math.ceil(model.layers / p) * kept
     acts += whole if plan.recompute == "full" else 0.0
     scale = _precision(precision)[0] / 2  # the formulas count 16-bit activations
-    return Memory(w, g, o, acts * scale)
+    working = 0.0
+    if plan.zero == 3 and plan.data > 1:
+        wb, gb, _ = _precision(precision)
+        working = (2 * wb + gb) * layer_parameters(model.hidden, plan.tensor)
+    return Memory(w, g, o, acts * scale, working)
 
 
 def _bandwidth(cluster: Cluster, group: int, span: int) -> float:

@@ -185,14 +185,22 @@ def _no_fit_message(model: Transformer, cluster: Cluster, batch: int, search: di
             break
     else:
         lines.append(f"  more GPUs: no cluster of up to {64 * cluster.nodes} nodes fits")
+    # ZeRO-Offload (Ren et al. 2021, arXiv:2101.06840, section 4): the 16-bit gradients go to
+    # the host as the backward makes them, the fp32 master weights and Adam's moments live there
+    # and the optimizer step runs on the CPU; each GPU keeps its 16-bit weights and activations
     best = min((memory_per_device(model, p, batch, precision)
                 for p in candidate_plans(model, cluster, batch, **widest)),
-               key=lambda m: m.total - m.optimizer)
-    host = state_bytes(model.parameters, precision)[2]
-    lines.append(f"  the optimizer states in host memory (ZeRO-Offload, chapter 15): least "
-                 f"{(best.total - best.optimizer) / GB:.1f} GB per GPU, and "
-                 f"{host / 1e12:.2f} TB of host memory ({host / cluster.nodes / 1e12:.2f} TB "
-                 f"per node)")
+               key=lambda m: m.weights + m.activations + m.working)
+    _, grads, states = state_bytes(model.parameters, precision)
+    host, per_node = grads + states, (grads + states) / cluster.nodes
+    on_gpu = best.weights + best.activations + best.working
+    verdict = "" if not cluster.host_memory_bytes else (
+        f", {'within' if per_node <= cluster.host_memory_bytes else 'over'} the node's "
+        f"{cluster.host_memory_bytes / 1e12:.1f} TB")
+    lines.append(f"  ZeRO-Offload (chapter 15: gradients, optimizer states and step on the host): "
+                 f"least {on_gpu / GB:.1f} GB per GPU; host "
+                 f"{(grads + states) / model.parameters:.0f} B/param, {host / 1e12:.2f} TB "
+                 f"({per_node / 1e12:.2f} TB per node{verdict})")
     return "\n".join(lines)
 
 

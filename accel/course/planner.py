@@ -13,7 +13,6 @@ import numpy as np
 from accel import models
 from accel.costmodel import planner as pl
 from accel.costmodel import plans
-from accel.memory.estimate import estimate_training_memory
 
 __all__ = ["CASES", "memory_checks", "keras_block", "keras_block_check", "fastest_layouts",
            "figure_terms", "EXERCISES", "exercise_answer", "check_exercise"]
@@ -28,10 +27,14 @@ CASES: dict[str, tuple[pl.Transformer, pl.Cluster, int]] = {
 
 
 def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
-    """name -> (planner's bytes, bytes counted from real variables): chapter 04's estimate of a
-    Keras MLP trained with Adam, chapter 09's layers split over 3 devices (bytes on each),
-    chapter 11's tensor-parallel shards of a transformer block and chapter 15's ZeRO stages 1-3
-    on 4 devices (bytes on one device)."""
+    """name -> (planner's bytes, bytes counted from real tensors): a Keras MLP's weights, the
+    gradients a tape returns and Adam's moment variables (chapter 04's model); the weights of
+    chapter 09's layers split over 3 devices (on each) and of one device's tensor-parallel shard
+    of chapter 11's block; and weights, gradients and optimizer variables of one device under
+    chapter 15's ZeRO stages 1-3 on 4 devices."""
+    import keras
+    import tensorflow as tf
+
     from accel.course import model_parallel as course09
     from accel.course.zero import mlp_layer_fns
     from accel.parallel import megatron
@@ -41,20 +44,23 @@ def memory_checks(device_names: Sequence[str]) -> dict[str, tuple[int, int]]:
     from accel.training import squared_error
 
     out = {}
-    keras = models.keras_mlp([32, 64, 64, 10])
-    est = estimate_training_memory(keras, "adam")
-    out["ch04 MLP, Adam: weights + grads + slots"] = (
-        int(sum(pl.state_bytes(keras.count_params(), "fp32"))),
-        est.weights + est.gradients + est.optimizer_slots)
+    net = models.keras_mlp([32, 64, 64, 10])
+    with tf.GradientTape() as tape:  # real gradient tensors and Adam's real moment variables
+        loss = tf.reduce_sum(net(tf.ones((2, 32))))
+    grads = tape.gradient(loss, net.trainable_variables)
+    adam = keras.optimizers.Adam()
+    adam.build(net.trainable_variables)
+    counted = sum(int(np.size(v)) * 4 for v in [*net.trainable_variables, *grads])
+    counted += sum(int(np.size(v)) * 4 for v in adam.variables if len(v.shape) > 0)
+    out["ch04 MLP, Adam: weights + grads + moments"] = (
+        int(sum(pl.state_bytes(net.count_params(), "fp32"))), counted)
     sizes = [8, 16, 16, 16, 4]
     split = mp.split(mlp_layers(sizes), device_names[:3], [8])
     mem = course09.memory_per_device(mp.SplitModel(split))
     params = [a * b + b for a, b in zip(sizes, sizes[1:], strict=False)]
     for dev, parts in zip(split.devices, pl.stage_state_bytes(params, split.balance, "fp32"),
                           strict=True):
-        e = mem[dev]["split"]
-        out[f"ch09 split, {dev[-5:]}"] = (int(sum(parts)),
-                                         e.weights + e.gradients + e.optimizer_slots)
+        out[f"ch09 split, {dev[-5:]}: weights"] = (int(parts[0]), mem[dev]["split"].weights)
     for t in (2, 4):
         shard = megatron.shard(megatron.init_block(hidden=16, heads=4), t)[0]
         out[f"ch11 block over {t}, one device's weights"] = (

@@ -135,6 +135,16 @@ def test_activations_by_hand():
     z3 = pl.memory_per_device(GPT_7B, pl.Plan(8, 1, 2, zero=3), 64)
     params = 18 * (12 * 4096**2 + 13 * 4096) + (51200 + 2048) * 4096
     assert z3.weights + z3.gradients + z3.optimizer == pytest.approx(16 * params / 8)
+    # its working set: one block's weights gathered twice (running, prefetched) at 2 bytes and
+    # its unsharded gradient at 2 bytes: 6 x (12 h^2 + 13 h) for one block on one GPU
+    assert z3.working == 6 * (12 * 4096**2 + 13 * 4096)
+    assert z3.total == pytest.approx(z3.weights + z3.gradients + z3.optimizer
+                                     + z3.activations + z3.working)
+    # split over a tensor group of 4: (12 h^2 + 7 h) / 4 + 6 h per GPU; nothing below ZeRO 3
+    z3t = pl.memory_per_device(GPT_7B, pl.Plan(4, 4, 1, zero=3), 64)
+    assert z3t.working == 6 * ((12 * 4096**2 + 7 * 4096) // 4 + 6 * 4096)
+    assert pl.memory_per_device(GPT_7B, pl.Plan(8, 1, 2, zero=2), 64).working == 0
+    assert pl.memory_per_device(GPT_7B, pl.Plan(1, 8, 2, zero=3), 8).working == 0
 
 
 def test_interleaving_memory_by_hand():
@@ -381,8 +391,15 @@ def test_no_fit_hints_are_the_model_applied():
         assert least(dataclasses.replace(A100, nodes=n), **every) > 64
     assert least(dataclasses.replace(A100, nodes=6), **every) <= 64
     assert "more GPUs: 6 nodes (48 GPUs)" in text
-    # the optimizer states on the host: 12 bytes x 174.6e9 parameters = 2.10 TB
-    assert f"{12 * gpt3.parameters / 1e12:.2f} TB of host memory" in text
+    # ZeRO-Offload (Ren et al. 2021, section 4): fp32 weights, Adam's moments and the 16-bit
+    # gradients on the host, 12 + 2 = 14 bytes x 174.6e9 parameters = 2.44 TB, 1.22 TB per node
+    # of a DGX A100's 2 TB; each GPU keeps its 16-bit weights and activations
+    assert f"host 14 B/param, {14 * gpt3.parameters / 1e12:.2f} TB " \
+           f"({7 * gpt3.parameters / 1e12:.2f} TB per node, within the node's 2.0 TB)" in text
+    on_gpu = min(m.weights + m.activations + m.working for m in (
+        pl.memory_per_device(gpt3, p, 512) for p in plans.candidate_plans(gpt3, A100, 512, **every,
+        microbatch_sizes=plans.MICROBATCH_SIZES, interleave=(1,), overlap=(False,))))
+    assert f"least {on_gpu / 1e9:.1f} GB per GPU; host" in text
 
 
 def test_a_hint_that_closes_the_gap_is_marked():

@@ -12,8 +12,11 @@ def test_memory_checks_are_equal(four_devices):
     assert len(checks) == 9
     for name, (predicted, counted) in checks.items():
         assert predicted == counted, name
-    # chapter 09's first device: 8x16+16 and 16x16+16 parameters, 16 bytes each (float32 Adam)
-    assert checks["ch09 split, CPU:0"][1] == 16 * (8 * 16 + 16 + 16 * 16 + 16)
+    # chapter 09's first device: 8x16+16 and 16x16+16 float32 weights; chapter 04's MLP: its
+    # weights, the tape's gradients and Adam's moments, 4 + 4 + 8 bytes per parameter
+    mlp = 32 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
+    assert checks["ch04 MLP, Adam: weights + grads + moments"][1] == 16 * mlp
+    assert checks["ch09 split, CPU:0: weights"][1] == 4 * (8 * 16 + 16 + 16 * 16 + 16)
 
 
 def test_keras_block_bytes_on_a_device(four_devices):
