@@ -21,8 +21,9 @@ from accel.costmodel.hardware import bits_per_element, link_bandwidth, peak_flop
 from accel.parallel import moe
 
 __all__ = ["problem_inputs", "small_problem", "all_to_all_time", "DEEPSEEK_V3",
-           "dispatch_rows", "balancing_run", "figure_balance", "CAPACITY_BUDGET",
-           "capacity_answer", "check_capacity", "IB_QUESTION", "ib_bytes_answer",
+           "dispatch_rows", "NVLINK5_BPS", "nvl72_row", "one_hot_cost", "expert_memory",
+           "balancing_run", "figure_balance", "CAPACITY_BUDGET",
+           "capacity_answer", "capacity_draws", "check_capacity", "IB_QUESTION", "ib_bytes_answer",
            "check_ib_bytes", "check_bias_rate"]
 
 
@@ -117,6 +118,66 @@ def dispatch_rows(tokens: int = 4096, gpus_per_node: int = 8, nodes: int = 8,
     return rows
 
 
+# NVIDIA GB200 NVL72 data sheet: 72 Blackwell GPUs in one NVLink domain, fifth-generation
+# NVLink at 1.8 TB/s per GPU (both directions together): 900 GB/s each way
+NVLINK5_BPS = 900e9
+
+
+def nvl72_row(tokens: int = 4096, gpus: int = 64, utilization: float = 0.5,
+              latency_s: float = 5e-6) -> dict:
+    """``dispatch_rows``'s layer with EP = ``gpus`` inside one GB200 NVL72 NVLink domain: every
+    copy for another GPU, ``(gpus - 1) / gpus`` of them, crosses NVLink 5 (``NVLINK5_BPS``); the
+    compute at ``utilization`` of the B200's dense BF16 and FP8 peaks
+    (``accel.costmodel.hardware``; the GB200's GPU is a little faster). Same keys as a row of
+    ``dispatch_rows``; the latency is an assumed value."""
+    tokens, gpus = checks.positive_int("tokens", tokens), checks.positive_int("gpus", gpus)
+    if gpus > 72:
+        raise ValueError(f"gpus must be at most 72 (one NVL72 domain), got {gpus}")
+    utilization = checks.positive_number("utilization", utilization)
+    m, fp8 = DEEPSEEK_V3, bits_per_element("FP8, 1x128 tiles") / 8
+    copies = tokens * m["k"] * (gpus - 1) / gpus
+    flops = tokens * m["k"] * 6 * m["width"] * m["expert_hidden"]
+    t = (all_to_all_time(copies * m["width"] * fp8, gpus, latency_s, NVLINK5_BPS)
+         + all_to_all_time(copies * m["width"] * 2, gpus, latency_s, NVLINK5_BPS))
+    return {"layout": f"EP={gpus}, one NVL72 domain (B200 compute)", "link": "NVLink 5",
+            "bytes": copies * m["width"] * (fp8 + 2), "time_s": t,
+            "compute_s": flops / (utilization * peak_flops("NVIDIA B200", "bf16")),
+            "compute_fp8_s": flops / (utilization * peak_flops("NVIDIA B200", "fp8"))}
+
+
+def one_hot_cost(tokens: int, k: int, capacity_factor: float, width: int,
+                 expert_hidden: int, matrices: int = 3) -> dict:
+    """The one-hot dispatch of a capacity layer for one group of ``tokens``: its ``[tokens, E,
+    C]`` mask has ``tokens * E * C = capacity_factor * k * tokens**2`` entries whatever E, and
+    the dispatch and combine einsums take ``2 * 2 * tokens * E * C * width`` FLOPs, against
+    ``2 * matrices * width * expert_hidden`` per slot for the experts: a ratio of
+    ``2 * tokens / (matrices * expert_hidden)``, which grows with the group."""
+    tokens, k = checks.positive_int("tokens", tokens), checks.positive_int("k", k)
+    capacity_factor = checks.positive_number("capacity_factor", capacity_factor)
+    width = checks.positive_int("width", width)
+    expert_hidden = checks.positive_int("expert_hidden", expert_hidden)
+    slots = capacity_factor * k * tokens  # E * C
+    einsum = 4 * tokens * slots * width
+    experts = slots * 2 * matrices * width * expert_hidden
+    return {"mask_entries": tokens * slots, "einsum_flops": einsum, "expert_flops": experts,
+            "ratio": einsum / experts}
+
+
+def expert_memory(ep: int, layers: int = 4, shard_over: int = 1) -> float:
+    """Bytes of routed-expert state on one GPU for DeepSeek-V3's experts (``DEEPSEEK_V3``; three
+    7168 x 2048 matrices each) at expert parallelism ``ep`` with ``layers`` MoE layers on the
+    GPU's pipeline stage: BF16 weights and gradients (4 bytes per parameter) plus an FP32 master
+    copy and Adam's two FP32 moments (12 bytes), the 12 sharded over ``shard_over`` copies (a
+    distributed optimizer, ZeRO-1, over the expert-data-parallel group)."""
+    ep, layers = checks.positive_int("ep", ep), checks.positive_int("layers", layers)
+    shard_over = checks.positive_int("shard_over", shard_over)
+    m = DEEPSEEK_V3
+    if m["routed"] % ep:
+        raise ValueError(f"ep must divide {m['routed']} experts, got {ep}")
+    params = layers * m["routed"] // ep * 3 * m["width"] * m["expert_hidden"]
+    return params * (4 + 12 / shard_over)
+
+
 def balancing_run(method: str, steps: int = 50, tokens: int = 256, width: int = 8,
                   num_experts: int = 8, k: int = 2, hidden: int = 16, aux_weight: float = 1.0,
                   rate: float = 0.01, lr: float = 0.05, skew: float = 2.0,
@@ -184,13 +245,13 @@ def figure_balance(runs: dict):
 CAPACITY_BUDGET = {"k": 2, "groups": 1, "max_dropped_share": 0.05, "step": 0.05}
 
 
-def _dropped(factor: float) -> tuple[int, int]:
-    """Choices dropped (and made) by top-2 routing of the small problem in
-    ``CAPACITY_BUDGET["groups"]`` groups (one group of all 64 tokens)."""
-    x, gate, _ = problem_inputs()
+def _dropped(factor: float, groups: int | None = None, seed: int = 3) -> tuple[int, int]:
+    """Choices dropped (and made) by top-2 routing of the small problem (``problem_inputs(seed=
+    seed)``) in ``groups`` groups (default ``CAPACITY_BUDGET["groups"]``: one group of all 64)."""
+    x, gate, _ = problem_inputs(seed=seed)
     b = CAPACITY_BUDGET
     dropped = made = 0
-    for xg in np.split(x, b["groups"]):
+    for xg in np.split(x, b["groups"] if groups is None else groups):
         logits = xg @ gate
         probs = np.exp(logits - logits.max(1, keepdims=True))
         probs /= probs.sum(1, keepdims=True)
@@ -200,16 +261,22 @@ def _dropped(factor: float) -> tuple[int, int]:
     return dropped, made
 
 
-def capacity_answer() -> float:
+def capacity_answer(groups: int | None = None, seed: int = 3) -> float:
     """The smallest capacity factor on the grid of ``CAPACITY_BUDGET["step"]`` that keeps the
-    dropped choices within the budget."""
+    dropped choices within the budget (``groups`` and ``seed`` as in ``_dropped``)."""
     b = CAPACITY_BUDGET
     for i in range(1, 200):
         f = round(i * b["step"], 10)
-        dropped, made = _dropped(f)
+        dropped, made = _dropped(f, groups, seed)
         if dropped <= b["max_dropped_share"] * made:
             return f
     raise RuntimeError("no capacity factor below 10 meets the budget")
+
+
+def capacity_draws(seeds: Sequence[int] = range(8)) -> list[tuple[float, float]]:
+    """For other draws of the small problem (``problem_inputs(seed=s)``): the smallest factor
+    within the budget with one group of 64 tokens and with 4 groups of 16."""
+    return [(capacity_answer(1, s), capacity_answer(4, s)) for s in seeds]
 
 
 def check_capacity(answer) -> str:
@@ -228,11 +295,17 @@ def check_capacity(answer) -> str:
         return (f"exercise 1: not yet: {answer} meets the budget ({dropped} of {made} dropped) "
                 "but a smaller factor does too; every slot beyond it is padding that costs "
                 "compute and all-to-all bytes")
+    draws = capacity_draws()
+    smaller = sum(one < four - 1e-9 for one, four in draws)
+    larger = sum(one > four + 1e-9 for one, four in draws)
     return (f"exercise 1: correct: {answer} drops {dropped} of {made} choices; the slots it "
-            "reserves beyond the tokens routed are the price of a fixed shape")
+            "reserves beyond the tokens routed are the price of a fixed shape. On "
+            f"{len(draws)} other draws of the problem one group needs a smaller factor than 4 "
+            f"groups {smaller} times, a larger one {larger} times (one group of 64 evens out "
+            "more of the routing's noise)")
 
 
-IB_QUESTION = {"gpus": 16, "gpus_per_node": 4, "experts": 64, "k": 2, "tokens": 1024,
+IB_QUESTION = {"gpus": 16, "gpus_per_node": 4, "experts": 64, "k": 2, "tokens": 1280,
                "width": 4096, "expert_hidden": 1024, "matrices": 3, "bytes_per_value": 2}
 
 

@@ -40,6 +40,38 @@ def test_dispatch_rows_by_hand():
     assert rows[0]["time_s"] < compute < rows[2]["time_s"] < rows[1]["time_s"]
 
 
+def test_nvl72_row_by_hand():
+    r = course.nvl72_row()
+    copies, width = 4096 * 8 * 63 / 64, 7168  # every other GPU of the 64 is on NVLink 5
+    per_copy = width * (8.25 / 8 + 2)
+    assert r["bytes"] == pytest.approx(copies * per_copy)
+    assert r["time_s"] == pytest.approx(2 * 63 * 5e-6 + copies * per_copy / 900e9)
+    assert r["compute_s"] == pytest.approx(4096 * 8 * 6 * width * 2048 / (0.5 * 2250e12))
+    assert r["time_s"] < 2 * r["compute_fp8_s"]  # within a factor 2 of the compute
+    with pytest.raises(ValueError, match="at most 72"):
+        course.nvl72_row(gpus=128)
+
+
+def test_one_hot_cost_by_hand():
+    c = course.one_hot_cost(tokens=4096, k=8, capacity_factor=1.25, width=7168,
+                            expert_hidden=2048)
+    assert c["mask_entries"] == 1.25 * 8 * 4096**2
+    # T x E x C mask times [T, d], twice, over E x C slots of 6 d h FLOPs: 2T / 3h
+    assert c["ratio"] == pytest.approx(2 * 4096 / (3 * 2048))
+    small = course.one_hot_cost(tokens=1024, k=8, capacity_factor=1.25, width=7168,
+                                expert_hidden=2048)
+    assert small["ratio"] == pytest.approx(c["ratio"] / 4)
+
+
+def test_expert_memory_by_hand():
+    per_expert = 3 * 7168 * 2048
+    assert course.expert_memory(64) == 4 * 4 * per_expert * 16  # 4 layers x 4 experts
+    assert course.expert_memory(8) == 4 * 32 * per_expert * 16
+    assert course.expert_memory(8, shard_over=8) == 4 * 32 * per_expert * (4 + 12 / 8)
+    with pytest.raises(ValueError, match="ep must divide"):
+        course.expert_memory(7)
+
+
 def test_small_problem_matches_its_inputs(four_devices):
     x, gate, experts = course.small_problem(four_devices)
     xi, gi, _ = course.problem_inputs()
@@ -79,19 +111,25 @@ def test_exercise_1_solution(four_devices):
         _, rs = moe.moe_layer(x, gate, experts, k=2, capacity_factor=factor, groups=1)
         assert rs[0].dropped == course._dropped(factor)[0]
     assert best == 1.1 and course._dropped(1.1)[0] == 6 and course._dropped(1.05)[0] > 6.4
+    assert course.capacity_answer(groups=4) == 1.15
+    # other draws of the problem: one group never needs more than 4 groups, often less
+    draws = course.capacity_draws()
+    assert all(one <= four + 1e-9 for one, four in draws)
+    assert sum(one < four - 1e-9 for one, four in draws) >= len(draws) // 2
+    assert "smaller factor than 4 groups" in course.check_capacity(best)
 
 
 def test_exercise_2_solution():
-    # A: 4 all-to-alls x 2048 copies x 12/16 remote x 4096 x 2 bytes per micro-batch
-    a = 4 * 1024 * 2 * 12 // 16 * 4096 * 2
+    # A: 4 all-to-alls x 2560 copies x 12/16 remote x 4096 x 2 bytes per micro-batch
+    a = 4 * 1280 * 2 * 12 // 16 * 4096 * 2
     # B: 16 experts x 3 x 4096 x 1024 x 2 bytes of gradients, ring over 4 copies: 2 x 3/4 of it
     b = 2 * 3 * (16 * 3 * 4096 * 1024 * 2) // 4
-    assert course.ib_bytes_per_gpu() == (a, b) == (50_331_648, 603_979_776)
-    assert b == 12 * a and course.ib_bytes_answer() == 13
-    assert course.check_ib_bytes(13).startswith("exercise 2: correct")
-    assert "too few" in course.check_ib_bytes(12)
-    assert "too many" in course.check_ib_bytes(14)
-    assert "not quite" in course.check_ib_bytes(12.5)
+    assert course.ib_bytes_per_gpu() == (a, b) == (62_914_560, 603_979_776)
+    assert 9 * a < b < 10 * a and course.ib_bytes_answer() == 10  # B / A = 9.6: no tie
+    assert course.check_ib_bytes(10).startswith("exercise 2: correct")
+    assert "too few" in course.check_ib_bytes(9)
+    assert "too many" in course.check_ib_bytes(11)
+    assert "not quite" in course.check_ib_bytes(9.5)
     assert "not quite" in course.check_ib_bytes((1, 2))
 
 
