@@ -56,12 +56,14 @@ import math
 from collections.abc import Sequence
 
 from accel import checks
+from accel.costmodel.hardware import LINKS, Spec
 
 __all__ = ["ALGORITHMS", "MEDIA", "terms", "tree_path", "allreduce_time", "crossover_bytes",
            "algorithm_bandwidth",
            "bus_bandwidth", "BUS_FACTORS", "ring_all_reduce_bytes", "sharded_ps_time",
            "packed_time", "local_sgd_step_time", "overlapped_step_time", "TWO_LEVEL",
-           "two_level_time"]
+           "two_level_time", "network_bytes_per_node", "COLLECTIVES", "collective_time",
+           "CURRENT_LINKS", "link_spec"]
 
 ALGORITHMS = ("one_device", "direct", "ring", "tree", "binomial", "halving_doubling")
 MEDIA = ("links", "shared")
@@ -253,7 +255,7 @@ def overlapped_step_time(forward_s: float, backward_s: float, allreduce_s: float
     return forward_s + max(backward_s, allreduce_s) + min(backward_s, allreduce_s) / b
 
 
-TWO_LEVEL = ("flat_ring", "hierarchical")
+TWO_LEVEL = ("flat_ring", "hierarchical", "hierarchical_pipelined")
 
 
 def two_level_time(nbytes: float, nodes: int, per_node: int, intra_latency_s: float,
@@ -269,16 +271,24 @@ def two_level_time(nbytes: float, nodes: int, per_node: int, intra_latency_s: fl
     is busy (NCCL's rings are flat and use all adapters: NVIDIA/nccl#530). Each of its
     ``2 (P - 1)`` steps waits for its slowest hop, a network one:
     ``2 (P - 1) inter_latency + 2 (P - 1) / P * nbytes / min(intra_bw, per_node * inter_bw)``.
+    A node's adapters together send ``2 (P - 1) / P * nbytes`` (``network_bytes_per_node``).
 
     ``"hierarchical"`` (2-D): reduce-scatter inside each node (ring over ``per_node``), then
     ``per_node`` all-reduces between nodes side by side, each of ``1 / per_node`` of the data
     over its own adapter (ring over ``nodes``), then all-gather inside the node:
     ``2 (g - 1) intra_latency + 2 (g - 1) / g * nbytes / intra_bw
     + 2 (N - 1) inter_latency + 2 (N - 1) / N * nbytes / (g * inter_bw)``
-    with ``g = per_node``, ``N = nodes``; the three phases follow one another.
+    with ``g = per_node``, ``N = nodes``; the three phases follow one another. A node's
+    adapters together send ``2 (N - 1) / N * nbytes``: half the flat ring's at two nodes.
 
-    One node (``nodes=1``) is a ring inside the node for both schemes. A MODEL: pipelining
-    of the phases, protocols and the adapters' placement on PCIe are left out."""
+    ``"hierarchical_pipelined"``: the same messages, cut into many chunks that flow through the
+    three phases at once (as NCCL's Tree pipelines its chunks: NVIDIA/nccl#545): the latencies
+    still add up, but the bandwidth term is the slower of the two links' loads, each GPU's
+    NVLink carrying its reduce-scatter and all-gather (``2 (g - 1) / g * nbytes``) and its
+    adapter its share between nodes (the limit of fine chunks).
+
+    One node (``nodes=1``) is a ring inside the node for every scheme. A MODEL: protocols and
+    the adapters' placement on PCIe are left out."""
     checks.non_negative_number("nbytes", nbytes)
     nodes = checks.positive_int("nodes", nodes)
     g = checks.positive_int("per_node", per_node)
@@ -295,4 +305,77 @@ def two_level_time(nbytes: float, nodes: int, per_node: int, intra_latency_s: fl
         return allreduce_time(nbytes, p, "ring", inter_latency_s,
                               min(intra_bandwidth_bps, g * inter_bandwidth_bps))
     between = allreduce_time(nbytes / g, nodes, "ring", inter_latency_s, inter_bandwidth_bps)
-    return inside + between
+    if scheme == "hierarchical":
+        return inside + between
+    (s_in, f_in), (s_out, f_out) = terms("ring", g), terms("ring", nodes)
+    return (s_in * intra_latency_s + s_out * inter_latency_s
+            + max(f_in * nbytes / intra_bandwidth_bps,
+                  f_out * nbytes / g / inter_bandwidth_bps))
+
+
+def network_bytes_per_node(nbytes: float, nodes: int, per_node: int,
+                           scheme: str = "hierarchical") -> float:
+    """Bytes a node's network adapters send, together, in ``two_level_time``'s all-reduce of
+    ``nbytes`` per GPU: ``2 (P - 1) / P * nbytes`` for the flat ring (``P = nodes * per_node``,
+    the ring's bytes per GPU, ``per_node`` rings each crossing out of the node once per step),
+    ``2 (N - 1) / N * nbytes`` for both 2-D schemes (each GPU's ``1 / per_node`` share, all-reduced
+    by a ring over the ``N`` nodes)."""
+    checks.non_negative_number("nbytes", nbytes)
+    nodes = checks.positive_int("nodes", nodes)
+    g = checks.positive_int("per_node", per_node)
+    checks.one_of("scheme", scheme, TWO_LEVEL)
+    if scheme == "flat_ring":
+        return ring_all_reduce_bytes(nbytes, nodes * g) if nodes > 1 else 0.0
+    return ring_all_reduce_bytes(nbytes, nodes)
+
+
+# collective -> (latency terms, factor of S) on n devices, one-port links, S the whole array:
+# a ring (n - 1 steps of S / n) for all-gather and reduce-scatter, the direct pairwise exchange
+# (n - 1 rounds, one partner each, S / n to each) for all-to-all: every device sends (n - 1) / n S
+COLLECTIVES = {
+    "all_reduce": lambda n: terms("ring", n),
+    "all_gather": lambda n: (float(n - 1), (n - 1) / n),
+    "reduce_scatter": lambda n: (float(n - 1), (n - 1) / n),
+    "all_to_all": lambda n: (float(n - 1), (n - 1) / n),
+}
+
+
+def collective_time(collective: str, nbytes: float, n: int, latency_s: float,
+                    bandwidth_bps: float) -> float:
+    """Modelled seconds of one ``collective`` (a key of ``COLLECTIVES``) over ``n`` devices, of
+    ``nbytes`` = nccl-tests' ``S``: the whole gathered, reduced-and-scattered or exchanged
+    array (for ``all_reduce``, one device's tensor): ``steps * alpha + factor * S / bw``. The
+    factor is ``BUS_FACTORS[collective](n)``: what each device must send, over ``S``."""
+    checks.one_of("collective", collective, COLLECTIVES)
+    checks.non_negative_number("nbytes", nbytes)
+    checks.non_negative_number("latency_s", latency_s)
+    checks.positive_number("bandwidth_bps", bandwidth_bps)
+    n = _check_n(n)
+    if n == 1:
+        return 0.0
+    steps, factor = COLLECTIVES[collective](n)
+    return steps * latency_s + factor * nbytes / bandwidth_bps
+
+
+# Links of 2024-2026 systems that accel.costmodel.hardware.LINKS does not list (one direction,
+# GB/s), with their documents
+CURRENT_LINKS: dict[str, Spec] = {
+    "NVLink 5 (B200, per GPU)": Spec(
+        900.0, "NVIDIA HGX B200 specifications: fifth-generation NVLink, 1.8 TB/s per GPU, "
+               "both directions"),
+    "Infinity Fabric (MI300X, per GPU)": Spec(
+        448.0, "AMD Instinct MI300X data sheet: 7 Infinity Fabric links of 128 GB/s (both "
+               "directions), one to each other GPU of an 8-GPU platform; all 7 busy at once"),
+    "800 Gb/s network (XDR / ConnectX-8)": Spec(
+        100.0, "InfiniBand Trade Association roadmap: XDR 800 Gb/s; NVIDIA ConnectX-8 "
+               "SuperNIC: 800 Gb/s"),
+}
+
+
+def link_spec(link: str) -> Spec:
+    """The ``Spec`` (one-direction GB/s and its source) of ``link``, a key of
+    ``accel.costmodel.hardware.LINKS`` or of ``CURRENT_LINKS``."""
+    if link in CURRENT_LINKS:
+        return CURRENT_LINKS[link]
+    checks.one_of("link", link, [*LINKS, *CURRENT_LINKS])
+    return LINKS[link]

@@ -34,7 +34,7 @@ small sizes). ``sweep(workers, sizes, repeat)`` runs both, always ending every p
 ``others=("tree", "one_device")`` adds more hand algorithms on the same servers, which
 ``crossover_lines`` checks the alpha-beta model against.
 
-The benchmark that puts these next to section 7's (``accel.course.traffic``) is
+The benchmark that puts these next to section 6's (``accel.course.traffic``) is
 ``accel.course.allreduce_bench``.
 """
 
@@ -52,7 +52,6 @@ import tensorflow as tf
 from accel import collectives, timing
 from accel.costmodel import collectives as cost
 from accel.costmodel import fit as fitting
-from accel.costmodel.hardware import link_bandwidth
 from accel.distributed.cluster import LocalCluster, make_cluster, tf_config
 from accel.procs import report_and_linger, run_python, start_python, wait_for_reports
 
@@ -172,25 +171,27 @@ def collective_bytes_table(device_names: Sequence[str], ns: Sequence[int] = (2, 
     return rows
 
 
-LINK_CASES = (("NVLink 3 (A100, per GPU)", 5e-6), ("PCIe 4.0 x16", 10e-6),
-              ("100 Gb Ethernet", 30e-6))
+# (link, assumed latency per message): GPUs of 2024-2026 inside a node, and their networks
+LINK_CASES = (("NVLink 4 (H100, per GPU)", 5e-6), ("NVLink 5 (B200, per GPU)", 5e-6),
+              ("Infinity Fabric (MI300X, per GPU)", 5e-6),
+              ("InfiniBand NDR (400 Gb/s)", 10e-6), ("800 Gb/s network (XDR / ConnectX-8)", 10e-6))
 
 
 def figure_alpha_beta(n: int = 8):
-    """Modelled all-reduce time per algorithm vs message size, on three cited links (latencies
-    are assumed values, labelled as such)."""
+    """Modelled all-reduce time per algorithm vs message size, on the cited links of
+    ``LINK_CASES`` (latencies are assumed values, labelled as such)."""
     import matplotlib.pyplot as plt
 
     sizes = np.logspace(3, 9, 61)
-    fig, axes = plt.subplots(1, len(LINK_CASES), figsize=(13, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, len(LINK_CASES), figsize=(16, 3.6), sharey=True)
     for ax, (link, alpha) in zip(axes, LINK_CASES, strict=True):
-        bw = link_bandwidth(link)
+        bw = cost.link_spec(link).value * 1e9
         for alg in cost.ALGORITHMS:
             ax.loglog(sizes, [cost.allreduce_time(s, n, alg, alpha, bw) for s in sizes],
                       label=alg)
         x = cost.crossover_bytes("tree", "ring", n, alpha, bw)
         ax.axvline(x, color="grey", ls=":")
-        ax.set_title(f"{link}\nalpha = {alpha * 1e6:g} us (assumed), n = {n}", fontsize=9)
+        ax.set_title(f"{link}\nalpha = {alpha * 1e6:g} us (assumed), n = {n}", fontsize=8)
         ax.set_xlabel("bytes per device")
     axes[0].set_ylabel("modelled seconds")
     axes[0].legend(fontsize=8)
@@ -198,7 +199,10 @@ def figure_alpha_beta(n: int = 8):
     return fig
 
 
-# Exercise 4's answer, for section 8's MLP (4 Dense layers of 256 and an output: 10 gradients):
+# Exercise 2's answer: halving-doubling on 6 devices folds 2 of them onto partners first and
+# back at the end (MPICH's non-power-of-two form): 6 steps and factor 2 (3/4) + 2 = 3.5 against
+# the ring's 10 steps and 10/6, so the ring wins above (10 - 6) alpha bw / (3.5 - 10/6) bytes.
+# Exercise 4's answer, for section 7's MLP (4 Dense layers of 256 and an output: 10 gradients):
 # bytes_per_pack=0 is one pack, which waits for everything; bytes_per_pack=1 closes a pack after
 # every tensor (TensorFlow's group_by_size), and in the reversed list only the last, d0's kernel,
 # waits for d0's weight gradient. tests/course/test_collectives.py checks it against a run.
@@ -207,11 +211,11 @@ PACKS_FOR_0_AND_1 = ((1, 1), (10, 1))
 
 def check_exercise(number: int, answer) -> str:
     """Exercise 1: bytes device 0 sends in a ``binomial`` all-reduce of 256 float32 over 3
-    devices. Exercise 2: the message size (bytes, rounded down) below which the binomial tree is
-    faster than the ring on 8 devices with alpha = 10 us and 10 GB/s (the cost model). Exercise
+    devices. Exercise 2: the message size (bytes, rounded down) above which the ring beats
+    halving-doubling on 6 devices with alpha = 10 us and 10 GB/s (the cost model). Exercise
     3: the fewest parameter servers that keep 16 workers' exchange of 1e8 bytes each within 2x
     of one worker with one server (``sharded_ps_time(1e8, 16, k, 0.0, 1e9)``: alpha = 0,
-    1e9 bytes/s, not pipelined). Exercise 4: for section 8's MLP, ``((collectives, how many
+    1e9 bytes/s, not pipelined). Exercise 4: for section 7's MLP, ``((collectives, how many
     wait for d0's weight gradient) with bytes_per_pack=0, (the same) with bytes_per_pack=1)``.
     Returns "exercise N: not answered yet" for ``None``, "exercise N: correct (...)" or a
     hint."""
@@ -227,7 +231,7 @@ def check_exercise(number: int, answer) -> str:
     if number == 1:
         right = collectives.all_reduce_bytes_per_device(1024, 3, "binomial")[0]
     elif number == 2:
-        right = int(cost.crossover_bytes("binomial", "ring", 8, 10e-6, 10e9))
+        right = int(cost.crossover_bytes("halving_doubling", "ring", 6, 10e-6, 10e9))
     else:
         one = cost.sharded_ps_time(1e8, 1, 1, 0.0, 1e9)
         right = min(k for k in range(1, 17) if cost.sharded_ps_time(1e8, 16, k, 0.0, 1e9)
@@ -285,12 +289,14 @@ def worker(sizes: Sequence[int], repeat: int, chain: int = CHAIN) -> dict:
 
 
 def client(cluster: dict, sizes: Sequence[int], repeat: int, chain: int = CHAIN,
-           others: Sequence[str] = ()) -> dict:
+           others: Sequence[str] = (), rounds: int = 1) -> dict:
     """Run in a client process next to plain servers: connect to them and time the hand ring,
     its ops under ``/job:worker/task:i``, as ``chain`` all-reduces in a row in one call, each
     of the one before's result; prints and returns ``{"hand": [median seconds per all-reduce,
     ...], "others": {algorithm: [...]}}``, ``others`` naming more hand algorithms
-    (``"tree"``, ``"one_device"``) timed the same way on the same processes."""
+    (``"tree"``, ``"one_device"``) timed the same way on the same processes. With ``rounds``
+    above 1 every (size, algorithm) is timed once per round, all of them in turn (so that a
+    drift of the shared machine hits all alike), and the median of the rounds' medians kept."""
     import tensorflow as tf
 
     from accel import collectives
@@ -308,18 +314,25 @@ def client(cluster: dict, sizes: Sequence[int], repeat: int, chain: int = CHAIN,
         return run
 
     fns = {alg: chained(alg) for alg in ("ring", *others)}
-    times: dict = {alg: [] for alg in fns}
+    inputs = []
     for nbytes in sizes:
         xs = []
         for i, d in enumerate(devs):
             with tf.device(d):
                 xs.append(tf.fill([nbytes // 4], float(i + 1)))
-        for alg, fn in fns.items():
+        inputs.append(xs)
+        for alg, fn in fns.items():  # checked, then run once more: two untimed calls each
             got = [float(v.numpy()[0]) for v in fn(xs)]
             if got != [_expected(n, chain)] * n:
                 raise RuntimeError(f"the hand {alg} gave {got}, not {_expected(n, chain)}")
-            times[alg].append(
-                timing.time_fn(lambda xs=xs, fn=fn: [v.numpy() for v in fn(xs)], repeat) / chain)
+            _ = [v.numpy() for v in fn(xs)]
+    medians: dict = {alg: [[] for _ in sizes] for alg in fns}
+    for _ in range(max(1, rounds)):
+        for k, xs in enumerate(inputs):
+            for alg, fn in fns.items():
+                medians[alg][k].append(timing.time_fn(
+                    lambda xs=xs, fn=fn: [v.numpy() for v in fn(xs)], repeat, warmup=0) / chain)
+    times = {alg: [float(np.median(m)) for m in per_size] for alg, per_size in medians.items()}
     out: dict = {"sizes": list(sizes), "workers": n, "chain": chain, "hand": times.pop("ring"),
                  "others": times}
     print(json.dumps(out))
@@ -488,22 +501,25 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def hand_sweep(workers: int = 2, sizes: Sequence[int] = SIZES, repeat: int = 5,
-               timeout: float = 300.0, chain: int = CHAIN, others: Sequence[str] = ()
-               ) -> dict:
-    """Start ``workers`` plain servers (``LocalCluster``), time the hand ring from a client
-    process, end every process; returns the client's result."""
+               timeout: float = 300.0, chain: int = CHAIN, others: Sequence[str] = (),
+               rounds: int = 1) -> dict:
+    """Start ``workers`` plain servers (``LocalCluster``), time the hand ring (and ``others``)
+    from a client process (``client``, ``rounds`` interleaved rounds of ``repeat`` calls), end
+    every process; returns the client's result."""
     with LocalCluster(ps=0, workers=workers, lifetime=timeout + 60) as c:
         code = ("from accel.course.collectives import client; "
-                f"client({c.cluster!r}, {list(sizes)!r}, {repeat}, {chain}, {tuple(others)!r})")
+                f"client({c.cluster!r}, {list(sizes)!r}, {repeat}, {chain}, {tuple(others)!r}, "
+                f"{rounds})")
         text = run_python(code, timeout=timeout, warm=True)
     return json.loads(text.strip().splitlines()[-1])
 
 
 def sweep(workers: int = 2, sizes: Sequence[int] = SIZES, repeat: int = 5,
-          timeout: float = 300.0, chain: int = CHAIN, others: Sequence[str] = ()) -> dict:
+          timeout: float = 300.0, chain: int = CHAIN, others: Sequence[str] = (),
+          rounds: int = 1) -> dict:
     """Both measurements on the same sizes: ``{"sizes", "workers", "chain", "hand", "others",
-    "tf_ring"}`` (``others``: more hand algorithms, see ``client``)."""
-    return {**hand_sweep(workers, sizes, repeat, timeout, chain, others),
+    "tf_ring"}`` (``others``: more hand algorithms, and ``rounds``, see ``client``)."""
+    return {**hand_sweep(workers, sizes, repeat, timeout, chain, others, rounds),
             "tf_ring": tf_ring_sweep(workers, sizes, repeat, timeout, chain)["tf_ring"]}
 
 

@@ -163,7 +163,51 @@ def test_two_level_time_by_hand():
             pytest.approx(18.0)
     assert cost.two_level_time(800, 4, 1, 1.0, 100.0, 10.0, 10.0, "hierarchical") == \
         pytest.approx(cost.allreduce_time(800, 4, "ring", 10.0, 10.0))
+    # pipelined: the latencies still add up (6 x 1 s + 2 x 10 s), the bandwidth term is the
+    # slower link's load: max(2 * 3/4 * 800 / 100, 2 * 1/2 * 200 / 10) = max(12, 20)
+    assert cost.two_level_time(*args, scheme="hierarchical_pipelined") == pytest.approx(46.0)
+    assert cost.two_level_time(800, 4, 1, 1.0, 100.0, 10.0, 10.0, "hierarchical_pipelined") == \
+        pytest.approx(cost.allreduce_time(800, 4, "ring", 10.0, 10.0))
+    # a node's adapters: the flat ring's 8-GPU ring bytes, 2 * 7/8 * 800; the 2-D schemes' ring
+    # over 2 nodes of the node's 4 shares of 200: 4 * 2 * 1/2 * 200 = 800
+    assert cost.network_bytes_per_node(800, 2, 4, "flat_ring") == pytest.approx(1400.0)
+    for scheme in ("hierarchical", "hierarchical_pipelined"):
+        assert cost.network_bytes_per_node(800, 2, 4, scheme) == pytest.approx(800.0)
+    assert cost.network_bytes_per_node(800, 1, 4, "flat_ring") == 0.0
     with pytest.raises(ValueError, match="scheme must be one of"):
         cost.two_level_time(*args, scheme="torus")
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        cost.network_bytes_per_node(800, 2, 4, "torus")
     with pytest.raises(ValueError, match="nodes"):
         cost.two_level_time(800, 0, 4, 1.0, 100.0, 10.0, 10.0)
+
+
+def test_collective_time_by_hand():
+    """One-port links, S = 400 bytes over 4 devices, 1 s per message, 100 bytes/s: all-gather,
+    reduce-scatter (a ring of 3 steps of S/4) and all-to-all (3 rounds, S/4 to each partner)
+    cost 3 + 300/100 = 6 s; the all-reduce is the ring's, 6 steps + 1.5 S / bw."""
+    for name in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert cost.collective_time(name, 400, 4, 1.0, 100.0) == pytest.approx(6.0)
+        assert cost.COLLECTIVES[name](4)[1] == pytest.approx(cost.BUS_FACTORS[name](4))
+    assert cost.collective_time("all_reduce", 400, 4, 1.0, 100.0) == \
+        pytest.approx(cost.allreduce_time(400, 4, "ring", 1.0, 100.0)) == pytest.approx(12.0)
+    # ZeRO-3 / FSDP: two all-gathers and a reduce-scatter send 1.5 times the all-reduce's bytes
+    assert (2 * cost.collective_time("all_gather", 1e9, 64, 0.0, 1e9)
+            + cost.collective_time("reduce_scatter", 1e9, 64, 0.0, 1e9)) == \
+        pytest.approx(1.5 * cost.collective_time("all_reduce", 1e9, 64, 0.0, 1e9))
+    assert cost.collective_time("all_to_all", 400, 1, 1.0, 100.0) == 0.0
+    with pytest.raises(ValueError, match="collective must be one of"):
+        cost.collective_time("gather", 400, 4, 1.0, 100.0)
+
+
+def test_link_spec_reads_both_tables():
+    from accel.costmodel.hardware import LINKS
+    assert cost.link_spec("NVLink 4 (H100, per GPU)") is LINKS["NVLink 4 (H100, per GPU)"]
+    # B200: 1.8 TB/s both directions per GPU (HGX B200 specifications): 900 GB/s each way
+    assert cost.link_spec("NVLink 5 (B200, per GPU)").value == 900.0
+    # 800 Gb/s = 100 GB/s; MI300X: 7 links x 128 GB/s both ways / 2
+    assert cost.link_spec("800 Gb/s network (XDR / ConnectX-8)").value == 800 / 8
+    assert cost.link_spec("Infinity Fabric (MI300X, per GPU)").value == 7 * 128 / 2
+    assert not set(cost.CURRENT_LINKS) & set(LINKS)
+    with pytest.raises(ValueError, match="link must be one of"):
+        cost.link_spec("NVLink 9")

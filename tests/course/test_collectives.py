@@ -17,8 +17,10 @@ def test_exercise_solutions():
     # binomial, 3 devices: device 0 sends the total to 2, then to 1: 2 x 1 KiB
     assert course.check_exercise(1, 2048) == "exercise 1: correct (2048)"
     assert "too low" in course.check_exercise(1, 1024)
-    # binomial 6 alpha + 6 S/bw = ring 14 alpha + 1.75 S/bw at S = 8 alpha bw / 4.25
-    assert course.check_exercise(2, 188235) == "exercise 2: correct (188235)"
+    # halving-doubling on 6 (folded: 6 alpha + 3.5 S/bw) = ring (10 alpha + 10/6 S/bw) at
+    # S = 4 alpha bw / (3.5 - 10/6) = 4e5 / (11/6) = 218181.8
+    assert course.check_exercise(2, 218181) == "exercise 2: correct (218181)"
+    assert "too high" in course.check_exercise(2, 10 ** 9)
     assert course.check_exercise(3, 8) == "exercise 3: correct (8)"
     assert "too low" in course.check_exercise(3, 4)
     assert course.check_exercise(4, None) == "exercise 4: not answered yet"
@@ -73,13 +75,19 @@ def test_process_sweep_sums_correctly_and_ends_its_processes():
     """Both all-reduces (and the hand one_device) across 2 processes check their sums inside,
     after chained all-reduces (a wrong sum raises)."""
     result = course.sweep(2, [4096, 65536], repeat=1, timeout=200, chain=2,
-                                   others=("one_device",))
+                          others=("one_device",), rounds=2)
     assert result["sizes"] == [4096, 65536] and result["workers"] == 2
     assert result["chain"] == 2
     assert len(result["hand"]) == len(result["tf_ring"]) == 2
     assert len(result["others"]["one_device"]) == 2
     lines, ratios = course.process_lines(result)
     assert set(ratios) == {4096, 65536} and len(lines) == 5
+
+
+def test_link_cases_are_cited_links():
+    for link, alpha in course.LINK_CASES:
+        spec = cost.link_spec(link)
+        assert spec.value > 0 and spec.source and 0 < alpha < 1e-4
 
 
 def test_crossover_lines_on_times_made_from_the_model():

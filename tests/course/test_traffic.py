@@ -93,3 +93,53 @@ def test_traced_packs_sum_like_one_device_and_start_in_order(small, four_devices
     assert all(ready <= start <= end for ready, start, end in seen["runs"])
     assert {lane for lane, *_ in seen["intervals"]} == {"input gradients", "weight gradients",
                                                         "pack data", "collectives"}
+
+
+def test_layer_pack_step_sums_every_layer_and_gates_the_backward(small, four_devices):
+    """One pack per layer, last layer first, each the sum of four replicas' gradients (every
+    replica runs the same batch: 4 times one device's); every layer's input gradient but the
+    first layer's waits for that layer's pack, and the collectives are chained in that order."""
+    model, x, y, strategy = small
+    step = traffic.layer_pack_step(strategy, model, x, y)
+    packs = traffic.pack_order(step, model, four_devices[0])
+    names = [layer.name for layer in model.layers][::-1]
+    assert [p.holds for p in packs] == [(n,) for n in names]
+    assert [p.gates for p in packs] == [(n,) for n in names[:-1]] + [()]
+    assert packs[0].after is None and [p.after for p in packs[1:]] == [p.op for p in packs[:-1]]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2)
+    one = tape.gradient(loss, model.trainable_variables)
+    per_layer = [np.concatenate([g.numpy().ravel() for g in one[2 * k:2 * k + 2]])
+                 for k in range(len(model.layers))][::-1]
+    summed = strategy.experimental_local_results(step())[0]
+    for got, ref in zip(summed, per_layer, strict=True):
+        np.testing.assert_allclose(got.numpy(), 4 * ref, rtol=1e-5,
+                                   atol=1e-6 * np.abs(4 * ref).max())
+    # TensorFlow's own packing gates nothing
+    own = traffic.pack_step(strategy, model, x, y, 256)
+    assert all(p.gates == () for p in traffic.pack_order(own, model, four_devices[0]))
+    seen = traffic.traced_packs(step, packs, four_devices[0], tempfile.mkdtemp())
+    # the control edges guarantee it: every pack but the first layer's exists before the end
+    assert seen["made_before_end"] >= len(packs) - 1
+    assert seen["made_order"] == list(range(len(packs)))
+    assert 0 <= seen["started_before_end"] <= len(packs)
+
+
+def test_interleaved_spread_times_every_function_in_each_round():
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    out = traffic.interleaved_spread(fns, rounds=2, repeat=3, warmup=1)
+    assert calls == ["a", "b"] + (["a"] * 3 + ["b"] * 3) * 2  # warm-up, then rounds in turn
+    for median, low, high in out.values():
+        assert 0 <= low <= median <= high
+    with pytest.raises(ValueError, match="rounds"):
+        traffic.interleaved_spread(fns, rounds=0)
+
+
+def test_packing_times_with_spread_counts_the_buckets(four_devices):
+    out = traffic.packing_times(four_devices, tensors=4, size=8, pack_bytes=(0, 1 << 30),
+                                repeat=1, rounds=2, with_spread=True)
+    assert {p: calls for p, (_, calls, _) in out.items()} == {0: 4, 1 << 30: 1}
+    assert all(low <= t <= high for t, _, (low, high) in out.values())
+    plain = traffic.packing_times(four_devices, tensors=4, size=8, pack_bytes=(0,), repeat=1)
+    assert len(plain[0]) == 2  # (seconds, all-reduces), as the benchmark reads it
