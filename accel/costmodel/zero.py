@@ -54,7 +54,7 @@ __all__ = ["STAGES", "PRECISIONS", "ZERO_SOURCE", "BYTES_PER_PARAM", "ADAM_MIXED
            "zero_comm_bytes_accumulated", "ZERO_PIPELINE_SOURCE", "zero_formula",
            "OFFLOAD_SOURCE", "offload_step", "offload_break_even_tokens",
            "MEGATRON_DISTRIBUTED_OPTIMIZER", "HOST_ADAM_BYTES_PER_PARAM", "zero_offload_step",
-           "host_adam_break_even_tokens"]
+           "host_adam_break_even_tokens", "zero3_gather_hidden_tokens"]
 
 ZERO_SOURCE = ("Rajbhandari, Rasley, Ruwase, He, 'ZeRO: Memory Optimizations Toward Training "
                "Trillion Parameter Models', arXiv:1910.02054 (2019), sections 5 and 7")
@@ -185,39 +185,54 @@ def _utilization(utilization: float) -> float:
     return utilization
 
 
-def offload_step(params: int, tokens: int, device: str, link: str, precision: str = "fp16",
-                 utilization: float = 0.5, bytes_per_param: int = 2, n: int = 1) -> dict:
+def _link(link) -> float:
+    """``link``'s one-direction bandwidth in bytes per second: a name from
+    ``accel.costmodel.hardware.LINKS`` or a positive number of bytes per second (a link that
+    table does not hold, e.g. a GH200's NVLink-C2C)."""
+    if isinstance(link, str):
+        return link_bandwidth(link)
+    return checks.positive_number("link", link)
+
+
+def offload_step(params: int, tokens: int, device: str, link, precision: str = "fp16",
+                 utilization: float = 0.5, bytes_per_param: int = 2, n: int = 1,
+                 link_share: int = 1) -> dict:
     """MODEL of one step with the optimizer offloaded over ``link``, on each of ``n``
     data-parallel GPUs: ``compute_s``, the GPU's forward + backward, ``6 params tokens`` FLOPs
     (``tokens`` per GPU) at ``utilization`` of ``device``'s peak; ``transfer_s``, the GPU's
-    gradient partition down and its parameter partition up over its own link,
-    ``bytes_per_param params / n`` each way at once (ZeRO-Offload partitions before it
-    offloads, section 4.2; a PCIe link is full duplex); ``step_s`` = the larger when the two
-    overlap, and ``bottleneck``: ``"compute"`` (the link is free) or ``"transfer"``. The host's
-    Adam is left out: ``zero_offload_step`` adds it."""
+    gradient partition down and its parameter partition up, ``bytes_per_param params / n``
+    each way at once (ZeRO-Offload partitions before it offloads, section 4.2; a PCIe link is
+    full duplex), over a host link that ``link_share`` GPUs share (a DGX A100 puts two GPUs
+    behind each PCIe switch's uplink: ``link_share=2`` doubles the time); ``step_s`` = the
+    larger when the two overlap, and ``bottleneck``: ``"compute"`` (the link is free) or
+    ``"transfer"``. The host's Adam is left out: ``zero_offload_step`` adds it. ``link``: a
+    name of ``accel.costmodel.hardware.LINKS`` or bytes per second."""
     params = checks.positive_int("params", params)
     tokens = checks.positive_int("tokens", tokens)
     n = checks.positive_int("n", n)
+    share = checks.positive_int("link_share", link_share)
     compute = 6 * params * tokens / (peak_flops(device, precision) * _utilization(utilization))
-    transfer = params / n * checks.positive_int("bytes_per_param", bytes_per_param) / \
-        link_bandwidth(link)
+    transfer = params / n * checks.positive_int("bytes_per_param", bytes_per_param) * share / \
+        _link(link)
     return {"compute_s": compute, "transfer_s": transfer, "step_s": max(compute, transfer),
             "bottleneck": "compute" if compute >= transfer else "transfer"}
 
 
-def offload_break_even_tokens(device: str, link: str, precision: str = "fp16",
+def offload_break_even_tokens(device: str, link, precision: str = "fp16",
                               utilization: float = 0.5, bytes_per_param: int = 2,
-                              n: int = 1) -> float:
+                              n: int = 1, link_share: int = 1) -> float:
     """Tokens per GPU and step above which the offload traffic hides under the compute:
-    ``6 params tokens / R = bytes_per_param params / (n B)`` gives ``tokens = bytes_per_param R
-    / (6 n B)``, whatever the model's size."""
+    ``6 params tokens / R = bytes_per_param params s / (n B)`` (``s = link_share``) gives
+    ``tokens = bytes_per_param R s / (6 n B)``, whatever the model's size."""
     rate = peak_flops(device, precision) * _utilization(utilization)
-    return checks.positive_int("bytes_per_param", bytes_per_param) * rate / \
-        (6 * checks.positive_int("n", n) * link_bandwidth(link))
+    return checks.positive_int("bytes_per_param", bytes_per_param) * rate * \
+        checks.positive_int("link_share", link_share) / \
+        (6 * checks.positive_int("n", n) * _link(link))
 
 
-def zero_offload_step(params: int, tokens: int, device: str, link: str, host_bandwidth: float,
-                      n: int = 1, precision: str = "bf16", utilization: float = 0.5) -> dict:
+def zero_offload_step(params: int, tokens: int, device: str, link, host_bandwidth: float,
+                      n: int = 1, precision: str = "bf16", utilization: float = 0.5,
+                      link_share: int = 1) -> dict:
     """MODEL of a ZeRO-Offload step on each of ``n`` data-parallel GPUs: ``offload_step``'s
     ``compute_s`` and ``transfer_s`` plus ``adam_s``, the host's Adam pass over THIS process's
     partition, ``HOST_ADAM_BYTES_PER_PARAM params / n`` bytes at ``host_bandwidth`` (the DRAM
@@ -226,8 +241,10 @@ def zero_offload_step(params: int, tokens: int, device: str, link: str, host_ban
     after Adam waits too), and ``dpu_s``, ZeRO-Offload's delayed parameter update (section
     5.2: step t's Adam runs while the GPU computes step t+1 from weights one step old), the
     largest of the three; ``bottleneck`` names that largest (``"compute"``, ``"link"``,
-    ``"host adam"``)."""
-    e = offload_step(params, tokens, device, link, precision, utilization, 2, n)
+    ``"host adam"``). Left out, so every time is a lower bound: the GPUs' own reduce-scatter
+    and all-gather among themselves (ZeRO 2), the copy of the 16-bit weights back after Adam
+    on the serial path, and Adam below the DRAM's peak (``host_bandwidth`` is a peak)."""
+    e = offload_step(params, tokens, device, link, precision, utilization, 2, n, link_share)
     host_bandwidth = checks.positive_number("host_bandwidth", host_bandwidth)
     adam = HOST_ADAM_BYTES_PER_PARAM * params / n / host_bandwidth
     times = {"compute": e["compute_s"], "link": e["transfer_s"], "host adam": adam}
@@ -245,3 +262,21 @@ def host_adam_break_even_tokens(device: str, host_bandwidth: float, n: int = 1,
     return HOST_ADAM_BYTES_PER_PARAM * rate / (
         6 * checks.positive_int("n", n) * checks.positive_number("host_bandwidth",
                                                                   host_bandwidth))
+
+
+def zero3_gather_hidden_tokens(device: str, link, n: int, precision: str = "bf16",
+                               utilization: float = 0.5, bytes_per_param: int = 2) -> float:
+    """MODEL: tokens per GPU and micro-batch from which ZeRO stage 3's all-gather of one layer
+    hides under the previous layer's compute, when prefetch runs it beside that compute. A
+    layer of ``L`` parameters: its all-gather receives ``(n-1)/n bytes_per_param L`` bytes
+    over ``link`` (each GPU's one-direction bandwidth), its forward takes ``2 L tokens`` FLOPs
+    at ``utilization`` of ``device``'s peak; equal when ``tokens = (n-1)/n bytes_per_param R /
+    (2 B)``, whatever ``L`` (equal layers assumed). The backward has twice the FLOPs and twice
+    the bytes (the gather and the gradients' reduce-scatter): the same point. ``link``: a name
+    of ``accel.costmodel.hardware.LINKS`` or bytes per second."""
+    n = checks.positive_int("n", n)
+    if n < 2:
+        raise ValueError(f"n must be at least 2 (nothing to gather on one device), got {n}")
+    rate = peak_flops(device, precision) * _utilization(utilization)
+    return (n - 1) / n * checks.positive_int("bytes_per_param", bytes_per_param) * rate / \
+        (2 * _link(link))

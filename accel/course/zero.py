@@ -17,6 +17,8 @@ next to the paper's formulas, the ``zero`` benchmark, a figure and the exercise 
   accumulation, offload), counted in the graph that ran;
 * ``OFFLOAD_SETUPS``, ``offload_with_host_adam`` / ``host_adam_break_even_tokens``: the
   ZeRO-Offload cost model (``accel.costmodel.zero.zero_offload_step``) on two hosts;
+  ``OFFLOAD_HOSTS`` (DGX A100, DGX H100, GH200) and ``GATHER_LINKS`` (stage 3's all-gather on
+  NVLink and InfiniBand), the chapter's cost-model inputs with their data sheets;
 * the exercises' checks.
 """
 
@@ -41,7 +43,8 @@ __all__ = ["SIZES", "NAMES", "mlp_layer_fns", "make_steps", "held_table", "sent_
            "gathered_bytes", "gather_waits", "stage3_timeline", "keras_sent_bytes",
            "HOST_ADAM_BYTES_PER_PARAM", "HOST_DRAM_SOURCE", "OFFLOAD_SETUPS",
            "offload_with_host_adam", "host_adam_break_even_tokens",
-           "check_accumulation_ratios", "check_offload_bound", "check_token_weight"]
+           "check_accumulation_ratios", "check_offload_bound", "check_token_weight",
+           "OFFLOAD_HOSTS", "GATHER_LINKS", "check_prefetch_layers", "check_stage_for_budget"]
 
 # 64*256+256 = 16640 and 256*64+64 = 16448 parameters per layer: both divide by 2 and 4
 SIZES = [64, 256, 64]
@@ -287,6 +290,30 @@ OFFLOAD_SETUPS = {"1 A100, a whole EPYC 7742 socket": (1, 204.8e9),
                   "a DGX A100: 8 A100 sharing 2 sockets": (8, 51.2e9)}
 
 
+# Hosts of 8 data-parallel GPUs for ZeRO-Offload's cost model, label -> (device, host link (a
+# name of accel.costmodel.hardware.LINKS or bytes/s one way), GPUs per host uplink, the DRAM
+# bandwidth each GPU's process gets (bytes/s)). Peaks, from data sheets:
+# * DGX A100: 2 EPYC 7742 (8 channels DDR4-3200, 204.8 GB/s a socket; AMD EPYC 7002
+#   specifications) for 8 A100 (NVIDIA DGX A100 data sheet), behind four PCIe 4.0 switches:
+#   two GPUs share each switch's uplink to the CPU (NVIDIA developer blog, "Defining AI
+#   Innovation with DGX A100", system architecture);
+# * DGX H100: 2 Xeon Platinum 8480C (NVIDIA DGX H100 data sheet), 8 channels DDR5-4800 a
+#   socket (Intel's product specifications): 2 x 307.2 / 8 = 76.8 GB/s per GPU; each GPU's
+#   own PCIe 5.0 x16 assumed;
+# * GH200: each H100 with its own Grace CPU over NVLink-C2C, 900 GB/s both directions (450
+#   one way) and LPDDR5X up to 512 GB/s (NVIDIA GH200 Grace Hopper Superchip data sheet).
+OFFLOAD_HOSTS = {"DGX A100 (PCIe 4.0, DDR4)": ("NVIDIA A100", "PCIe 4.0 x16", 2, 51.2e9),
+                 "DGX H100 (PCIe 5.0, DDR5)": ("NVIDIA H100 SXM", "PCIe 5.0 x16", 1, 76.8e9),
+                 "8 GH200 (NVLink-C2C, LPDDR5X)": ("NVIDIA H100 SXM", 450e9, 1, 512e9)}
+# ZeRO 3's all-gather per GPU, label -> (device, link (name or bytes/s one way), n). HGX B200:
+# NVLink 5, 1.8 TB/s per GPU both directions (NVIDIA HGX B200 specifications); between nodes
+# one 400 Gb/s NDR adapter per GPU (ConnectX-7 on DGX H100 and DGX B200 data sheets).
+GATHER_LINKS = {"8 H100, NVLink 4": ("NVIDIA H100 SXM", "NVLink 4 (H100, per GPU)", 8),
+                "64 H100 over InfiniBand NDR": ("NVIDIA H100 SXM", "InfiniBand NDR (400 Gb/s)", 64),
+                "8 B200, NVLink 5": ("NVIDIA B200", 900e9, 8),
+                "64 B200 over InfiniBand NDR": ("NVIDIA B200", "InfiniBand NDR (400 Gb/s)", 64)}
+
+
 def offload_with_host_adam(params: int, tokens: int, device: str, link: str,
                            host_bandwidth: float, precision: str = "bf16",
                            utilization: float = 0.5, n: int = 1) -> dict:
@@ -346,3 +373,38 @@ def check_token_weight(answer) -> str:
         return ("right: 1/(2 x 30) against 1/(2 x 90) per token, 3 times; over the whole "
                 "batch every token weighs 1/120")
     return f"not quite: {answer} is {'too high' if float(answer) > right else 'too low'}"
+
+
+def check_prefetch_layers(answer) -> str:
+    """Exercise 1: with ``ZeroStep(..., prefetch=2)``, how many layers' full weights a device
+    may hold at once in the forward pass (the layer it computes and those prefetched)."""
+    if answer is None:
+        return "not yet: set answer to a whole number of layers"
+    try:
+        layers = int(answer)
+    except (TypeError, ValueError):
+        return f"not quite: give a whole number, got {answer!r}"
+    if layers == 3:
+        return ("right: the gather of layer l waits for layer l - 3, so layers l - 2, l - 1 "
+                "and l may be gathered at once, p + 1 = 3; run it and compare the peak")
+    return f"not quite: {layers}; count the layer computed and the p prefetched"
+
+
+def check_stage_for_budget(answer) -> str:
+    """Exercise 2: 13 billion parameters, mixed-precision Adam (16 B/param), 8 GPUs, 40 GB per
+    GPU for the model states: the lowest ZeRO stage that fits, and the bytes it sends per step
+    over stage 1's: a pair (stage, ratio)."""
+    if answer is None:
+        return "not yet: set answer to a pair (stage, bytes sent over stage 1's)"
+    try:
+        stage, ratio = int(answer[0]), float(answer[1])
+    except (TypeError, ValueError, IndexError):
+        return f"not quite: give (stage, ratio), got {answer!r}"
+    fits = [s for s in cost.STAGES if cost.zero_total_bytes(13 * 10**9, 8, s) <= 40e9]
+    right = min(fits)
+    want = cost.zero_comm_bytes(13 * 10**9, 8, right) / cost.zero_comm_bytes(13 * 10**9, 8, 1)
+    if stage == right and abs(ratio - want) <= 0.01 * want:
+        sizes = ", ".join(f"stage {s} {cost.zero_total_bytes(13 * 10**9, 8, s) / 1e9:g} GB"
+                          for s in cost.STAGES)
+        return f"right: {sizes}; it sends {want:g} times stage 1's bytes"
+    return f"not quite: stage {stage}, ratio {ratio:g}; count each stage's bytes per GPU"

@@ -114,3 +114,39 @@ def test_zero_offload_partitions_by_hand():
         cm.zero_offload_step(10, 10, "NVIDIA A100", "PCIe 4.0 x16", 0.0)
     with pytest.raises(ValueError, match="n must be an int >= 1"):
         cm.offload_step(10, 10, "NVIDIA A100", "PCIe 4.0 x16", n=0)
+
+
+def test_shared_host_link_and_link_in_bytes_per_second():
+    # by hand: 2 bytes x 1e9 params / 8 GPUs = 250 MB each way; two GPUs per 31.5 GB/s uplink
+    one = cm.offload_step(10**9, 1024, "NVIDIA A100", "PCIe 4.0 x16", "bf16", n=8)
+    two = cm.offload_step(10**9, 1024, "NVIDIA A100", "PCIe 4.0 x16", "bf16", n=8, link_share=2)
+    assert one["transfer_s"] == pytest.approx(2e9 / 8 / 31.5e9)
+    assert two["transfer_s"] == pytest.approx(2 * one["transfer_s"])
+    assert two["compute_s"] == one["compute_s"]
+    # break-even: 2 B x 156e12 FLOP/s x 2 / (6 x 8 x 31.5e9 B/s)
+    want = 2 * 156e12 * 2 / (48 * 31.5e9)
+    assert cm.offload_break_even_tokens("NVIDIA A100", "PCIe 4.0 x16", "bf16", n=8,
+                                        link_share=2) == pytest.approx(want)
+    # a link given in bytes/s equals the same link by name
+    assert cm.offload_step(10**9, 1024, "NVIDIA A100", 31.5e9, "bf16", n=8) == one
+    e = cm.zero_offload_step(10**9, 1024, "NVIDIA A100", "PCIe 4.0 x16", 51.2e9, 8, link_share=2)
+    assert e["transfer_s"] == pytest.approx(two["transfer_s"])
+    with pytest.raises(ValueError, match="link_share"):
+        cm.offload_step(10**9, 1024, "NVIDIA A100", "PCIe 4.0 x16", link_share=0)
+    with pytest.raises(ValueError, match="link"):
+        cm.offload_step(10**9, 1024, "NVIDIA A100", -1.0)
+
+
+def test_zero3_gather_hidden_by_hand():
+    # H100 bf16 989.4 TFLOP/s at half: a layer of L params computes 2 L t FLOPs in
+    # 2 L t / 494.7e12 s; its all-gather gets 7/8 x 2 L bytes at 450 GB/s. Equal at t:
+    t = 7 / 8 * 2 * 494.7e12 / (2 * 450e9)
+    assert cm.zero3_gather_hidden_tokens("NVIDIA H100 SXM", "NVLink 4 (H100, per GPU)", 8) == \
+        pytest.approx(t)
+    layer = 10**8  # any layer size: check the two times are equal at t
+    compute = 2 * layer * t / 494.7e12
+    gather = 7 / 8 * 2 * layer / 450e9
+    assert compute == pytest.approx(gather)
+    assert cm.zero3_gather_hidden_tokens("NVIDIA H100 SXM", 450e9, 8) == pytest.approx(t)
+    with pytest.raises(ValueError, match="at least 2"):
+        cm.zero3_gather_hidden_tokens("NVIDIA H100 SXM", 450e9, 1)

@@ -27,6 +27,18 @@ def test_exercise_checks():
     assert course.check_token_weight(3).startswith("right")
     assert course.check_token_weight(1).startswith("not quite")
 
+    assert course.check_prefetch_layers(None).startswith("not yet")
+    assert course.check_prefetch_layers(3).startswith("right")
+    assert course.check_prefetch_layers(2).startswith("not quite")
+    assert course.check_prefetch_layers("three").startswith("not quite")
+
+    # 13e9 params, 8 GPUs: stage 2 = 2 x 13 + 14 x 13 / 8 = 48.75 GB > 40; stage 3 = 26 GB,
+    # sending 3 (n-1)/n against stage 1's 2 (n-1)/n of the same 16-bit bytes: 1.5
+    assert course.check_stage_for_budget(None).startswith("not yet")
+    assert course.check_stage_for_budget((3, 1.5)).startswith("right")
+    assert course.check_stage_for_budget((2, 1.0)).startswith("not quite")
+    assert course.check_stage_for_budget("x").startswith("not quite")
+
 
 @pytest.mark.slow  # several seconds: left to make test, out of make quick
 def test_tables_count_what_the_formulas_say(four_devices):
