@@ -111,11 +111,7 @@ def test_interval_models_refuse_bad_input():
         course.lost_fraction(0.0, 1.0, 1.0, 100.0)
 
 
-def test_exercise_3_solution_and_the_numbers_it_rests_on():
-    assert course.check_lever(None) == "exercise 3: not answered yet"
-    assert course.check_lever("restart") == "exercise 3: correct"
-    assert course.check_lever("save").startswith("exercise 3: not 'save'")
-    assert "answer 'save' or 'restart'" in course.check_lever(3)
+def test_worked_example_restart_dominates_the_plain_save_loss():
     mtbf = 54 * 24 * 3600 / 419  # the chapter's worked example
 
     def lost(save, restart):
@@ -125,3 +121,32 @@ def test_exercise_3_solution_and_the_numbers_it_rests_on():
     base = lost(save, 600.0)
     assert lost(save, 300.0) < lost(save / 2, 600.0) < base
     assert math.isclose(mtbf / 3600, 3.093, abs_tol=1e-3)
+
+
+def test_exercise_3_solution_restart_on_one_device_is_close_not_equal(tmp_path, four_devices):
+    assert course.check_restart_on_fewer_workers(None) == "exercise 3: not answered yet"
+    assert course.check_restart_on_fewer_workers(False) == "exercise 3: correct"
+    assert course.check_restart_on_fewer_workers(True).startswith("exercise 3: not True")
+    assert "answer True or False" in course.check_restart_on_fewer_workers("no")
+    # the solution, run: two replicas checkpoint at step 2; one device resumes to step 6
+    import tensorflow as tf
+
+    from accel import datasets, models
+    from accel.parallel import strategies
+
+    devs = four_devices
+    x, y, _ = datasets.regression(256, 8, 1, seed=0)
+
+    def make():
+        return models.keras_mlp([8, 16, 1])
+
+    two = strategies.make_strategy("mirrored", devs[:2], "reduction_to_one_device")
+    whole = strategies.train_loop(two, make, x, y, 32, 6, 0.05)
+    strategies.train_loop(two, make, x, y, 32, 2, 0.05, checkpoint_dir=str(tmp_path), every=2)
+    one = strategies.train_loop(tf.distribute.get_strategy(), make, x, y, 32, 6, 0.05,
+                                checkpoint_dir=str(tmp_path))
+    assert one.start == 2
+    gap = models.max_difference(one.weights, whole.weights)
+    assert 0.0 < gap
+    for a, b in zip(one.weights, whole.weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
