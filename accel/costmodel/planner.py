@@ -7,14 +7,20 @@ plan: memory per device and time per step, from plain numbers (no TensorFlow).
   per GPU inside a node and out of it; ``Cluster.dgx_a100(nodes)`` takes every figure from
   ``accel.costmodel.hardware`` (cited there);
 * ``Plan(data, tensor, pipeline, zero, microbatch, recompute, sequence_parallel, interleave,
-  overlap)``;
+  overlap, attention)``;
 * ``STATE_BYTES``: the bytes per parameter of weights, gradients and optimizer state, an
   explicit choice (``precision``), see below;
 * ``step_flops``: what a step executes. Full recomputation is the paper's eq. 3,
   ``96 B s l h^2 (1 + s / 6h + V / 16lh)`` (four passes over the layers, three over the logit
   layer); none is ``72 B s l h^2 (1 + s / 6h) + 6 B s h V``; selective recomputation (Korthikanti
   et al. 2022, arXiv:2205.05198, section 5) adds to that the forward of attention's core again,
-  its two ``2 b s^2 h`` matmuls: ``4 B s^2 h`` per layer;
+  its two ``2 b s^2 h`` matmuls: ``4 B s^2 h`` per layer. ``attention="fused"`` (a
+  FlashAttention-style kernel, Dao et al. 2022, arXiv:2205.14135, section 3.1 and Algorithm 4)
+  keeps no score matrix and selective recomputation has nothing left to rerun. Its backward does
+  recompute ``S = Q K^T`` (one ``2 b s^2 h`` matmul per layer) but saves the memory traffic of
+  the ``s^2`` matrices, which the model does not charge to materialized attention either, and
+  Dao et al. (section 4) measure it faster; the model charges both the same FLOPs: fused
+  attention changes memory, not time;
 * ``memory_per_device``: weights, gradients and optimizer states of the first pipeline stage
   (the most loaded: its layers and the embedding), each sharded by ZeRO's stage over the data
   replicas; activations of the micro-batches 1F1B keeps in flight (``min(p, m)``), per layer
@@ -24,12 +30,19 @@ plan: memory per device and time per step, from plain numbers (no TensorFlow).
   t`` with sequence parallelism, where the input lives split by sequence), with full
   recomputation, plus one layer's whole set while it is recomputed. Interleaving ``v`` chunks
   multiplies the first stage's activations by ``1 + (p - 1) / (p v)`` (Korthikanti et al.,
-  section 4.2.3). ZeRO 3 (``data > 1``) adds its working set (``Memory.working``): one block's
-  weights gathered whole (its tensor shard), twice (the block that runs and the next, prefetched),
-  and that block's unsharded gradient before its reduce-scatter, ``(2 w + g) x`` one block's
-  parameters; a gathering unit of one block is FSDP's per-block wrapping (torchtitan), and
-  DeepSpeed, which gathers per submodule and caps the live parameters
-  (``stage3_max_live_parameters``), holds less;
+  section 4.2.3). With ``attention="fused"`` the ``5 a s / ht`` score term (softmax output,
+  dropout mask, dropped-out copy: ``5 a s^2 b`` bytes) becomes the kernel's fp32 log-sum-exp per
+  head and token, ``4 a s b / t`` bytes (``4 a / ht`` in units of ``s b h``), so ``"selective"``
+  keeps what ``"none"`` keeps. ZeRO 3 (``data > 1``) adds its working set
+  (``Memory.working``): one block's weights gathered whole (its tensor shard), twice (the block
+  that runs and the next, prefetched), and that block's unsharded gradient before its
+  reduce-scatter, ``(2 w + g) x`` one block's parameters; a gathering unit of one block is
+  FSDP's per-block wrapping (torchtitan), and DeepSpeed, which gathers per submodule (each
+  linear layer, the largest ``4 h^2``, a third of a block) and caps the live parameters
+  (``stage3_max_live_parameters``), holds less. With full
+  recomputation the model also holds one whole layer's activations while that layer is
+  recomputed, the ``5 a s^2 b`` scores included unless attention is fused; so ZeRO-3 figures with
+  large heads and micro-batches are upper bounds;
 * ``step_time``: compute at ``utilization`` of the peak, the pipeline's clock set by its
   slowest stage, the last (its blocks and the logit layer, as Megatron-LM places it); per layer
   and micro-batch the tensor-parallel all-reduces of the ``s b h`` activation (2 forward, 2
@@ -80,7 +93,7 @@ from accel.costmodel.hardware import MEMORY_GB, NODES, link_bandwidth, peak_flop
 from accel.costmodel.pipeline import stash_microbatches
 from accel.costmodel.transformer import layer_flops
 
-__all__ = ["UTILIZATION", "MEMORY_BUDGET", "STATE_BYTES", "PRECISION", "RECOMPUTE",
+__all__ = ["UTILIZATION", "MEMORY_BUDGET", "STATE_BYTES", "PRECISION", "RECOMPUTE", "ATTENTION",
            "Transformer", "Cluster", "Plan", "Memory", "StepTime", "layer_parameters",
            "stage_parameters", "state_bytes", "layer_activations", "step_flops",
            "microbatches", "dp_bytes", "memory_per_device", "step_time", "stage_state_bytes"]
@@ -99,6 +112,7 @@ STATE_BYTES: dict[str, tuple[int, int, int]] = {
 PRECISION = "mixed"
 DGX_A100_HOST_BYTES = 2e12  # system memory of a DGX A100 640 GB (NVIDIA DGX A100 data sheet, 2020)
 RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("materialized", "fused")  # scores kept (Korthikanti et al.) or a fused kernel
 _SHARDED = {0: (), 1: (2,), 2: (1, 2), 3: (0, 1, 2)}  # ZeRO stage -> sharded parts
 
 
@@ -171,7 +185,7 @@ class Plan:
     replicas; micro-batches of ``microbatch`` sequences; ``recompute`` one of ``RECOMPUTE``;
     ``sequence_parallel`` (needs ``tensor > 1``); ``interleave`` chunks per pipeline device (1:
     plain 1F1B; more needs ``pipeline > 1``); ``overlap`` of the data-parallel traffic with the
-    compute."""
+    compute; ``attention`` one of ``ATTENTION`` (``"fused"``: no score matrix kept)."""
 
     data: int
     tensor: int
@@ -182,6 +196,7 @@ class Plan:
     sequence_parallel: bool = False
     interleave: int = 1
     overlap: bool = False
+    attention: str = "materialized"
 
     def __post_init__(self):
         for name in ("data", "tensor", "pipeline", "microbatch", "interleave"):
@@ -190,6 +205,9 @@ class Plan:
         if self.recompute not in RECOMPUTE:  # True == 1: refuse bools before comparing
             raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got "
                              f"{self.recompute!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {list(ATTENTION)}, got "
+                             f"{self.attention!r}")
         for name in ("sequence_parallel", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -208,7 +226,8 @@ class Plan:
     def label(self) -> str:
         """A short description, e.g. ``'d8 t4 p2 ZeRO 1 b1 recompute full, sp, v2, overlap'``."""
         extras = [f"recompute {self.recompute}"] + ["sp"] * self.sequence_parallel + (
-            [f"v{self.interleave}"] if self.interleave > 1 else []) + ["overlap"] * self.overlap
+            [f"v{self.interleave}"] if self.interleave > 1 else []) + ["overlap"] * self.overlap + (
+            ["fused attention"] if self.attention == "fused" else [])
         return (f"d{self.data} t{self.tensor} p{self.pipeline} ZeRO {self.zero} "
                 f"b{self.microbatch} " + ", ".join(extras))
 
@@ -284,22 +303,29 @@ def layer_activations(model: Transformer, plan: Plan) -> tuple[float, float]:
     ``plan``'s recomputation and sequence parallelism (Korthikanti et al. 2022, Table 2), and
     what it holds while its forward is recomputed (the ``"none"`` row)."""
     s, b, h, a, t = model.seq, plan.microbatch, model.hidden, model.heads, plan.tensor
-    sbh, attn = s * b * h, 5 * a * s / (h * t)
+    fused = plan.attention == "fused"
+    sbh, attn = s * b * h, (4 * a / (h * t) if fused else 5 * a * s / (h * t))
     if plan.sequence_parallel:
         whole, selective, inputs = sbh * (34 / t + attn), 34 * sbh / t, 2 * sbh / t
     else:
         whole, selective, inputs = sbh * (10 + 24 / t + attn), sbh * (10 + 24 / t), 2 * sbh
+    if fused:  # nothing quadratic to drop: selective keeps what none keeps
+        selective = whole
     kept = {"none": whole, "selective": selective, "full": inputs}[plan.recompute]
     return kept, whole
 
 
-def _block_flops(model: Transformer, batch: int, recompute: str) -> float:
+def _block_flops(model: Transformer, batch: int, recompute: str,
+                 attention: str = "materialized") -> float:
     """One block's FLOPs on ``batch`` sequences: ``24 b s h^2 (1 + s / 6h)`` per pass, 3 passes
-    (4 with full recomputation), plus attention's core ``4 b s^2 h`` again with selective."""
+    (4 with full recomputation), plus attention's core ``4 b s^2 h`` again with selective, unless
+    attention is fused (nothing to rerun; its own recompute of the scores is not charged)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {recompute!r}")
+    checks.one_of("attention", attention, ATTENTION)
     passes = 4 if recompute == "full" else 3
-    core = 4 * batch * model.seq ** 2 * model.hidden if recompute == "selective" else 0
+    sq = batch * model.seq ** 2 * model.hidden
+    core = 4 * sq if recompute == "selective" and attention == "materialized" else 0
     return layer_flops(batch, model.seq, model.hidden, passes=passes) + core
 
 
@@ -324,9 +350,11 @@ def stage_state_bytes(layer_params: Sequence[int], balance: Sequence[int],
     return out
 
 
-def step_flops(model: Transformer, batch: int, recompute: str = "full") -> float:
+def step_flops(model: Transformer, batch: int, recompute: str = "full",
+               attention: str = "materialized") -> float:
     """FLOPs one step on ``batch`` sequences executes (eq. 3 with full recomputation)."""
-    return model.layers * _block_flops(model, batch, recompute) + _logit_flops(model, batch)
+    return (model.layers * _block_flops(model, batch, recompute, attention)
+            + _logit_flops(model, batch))
 
 
 def microbatches(plan: Plan, batch: int) -> int:
@@ -411,7 +439,8 @@ def step_time(model: Transformer, cluster: Cluster, plan: Plan, batch: int,
     rate = cluster.peak_flops * utilization
     # the slowest stage, the last: its blocks and the logit layer (Megatron-LM keeps it there)
     blocks = math.ceil(model.layers / p)
-    stage_flops = blocks * _block_flops(model, b, plan.recompute) + _logit_flops(model, b)
+    stage_flops = (blocks * _block_flops(model, b, plan.recompute, plan.attention)
+                   + _logit_flops(model, b))
     stage = stage_flops / t / rate
     forward = (blocks * layer_flops(b, model.seq, model.hidden, passes=1)
                + _logit_flops(model, b) / 3) / t / rate
@@ -430,6 +459,6 @@ def step_time(model: Transformer, cluster: Cluster, plan: Plan, batch: int,
     else:  # prefetching hides the per-micro-batch traffic, never more than the compute
         exposed = max(0.0, dp - m * stage)
     total = pipe_s + exposed
-    done = step_flops(model, batch, plan.recompute)
+    done = step_flops(model, batch, plan.recompute, plan.attention)
     return StepTime(total, m * stage, m * tp, (v * m + p - 1) * send, (p - 1) * slot,
                     exposed, done / (cluster.gpus * total) / 1e12)

@@ -7,11 +7,13 @@ a rule of thumb to rank beside it.
   tensor first, a group of at most a node's GPUs sits inside one node), pipeline sizes dividing
   the layers (equal stages) and the rest, data replicas splitting the global batch, each ZeRO
   stage (only 0 with one replica), each micro-batch size (1, 2, 4, 8 by default), and each
-  value given of the options: ``recompute`` (``planner.RECOMPUTE``), ``sequence_parallel``
+  value given of the options: ``recompute`` (``planner.RECOMPUTE``), ``attention``
+  (``planner.ATTENTION``), ``sequence_parallel``
   (only with a tensor group), ``interleave`` (only with a pipeline, when the layers split into
   ``p v`` equal chunks and the micro-batches into multiples of ``p``), ``overlap``. The
-  defaults (``BASIC``) are what Narayanan et al. 2021 used: full recomputation or none, no
-  sequence parallelism, plain 1F1B, no overlap; ``LATER`` adds what came after;
+  defaults (``BASIC``) are the simplest set: full recomputation or none, scores materialized,
+  no sequence parallelism, plain 1F1B, no overlap; ``LATER`` adds selective recomputation,
+  sequence parallelism, interleaving and overlap (attention stays materialized unless asked);
 * ``evaluate`` / ``rank_plans``: memory and time of each plan; the plans that fit in
   ``memory_budget`` of a GPU's memory (``planner.MEMORY_BUDGET``, 0.8), fastest first (ties:
   least memory); a model that fits no plan is a ``ValueError`` that tries each option left out
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 from accel import checks
 from accel.costmodel.planner import (
+    ATTENTION,
     MEMORY_BUDGET,
     PRECISION,
     RECOMPUTE,
@@ -53,7 +56,7 @@ __all__ = ["MICROBATCH_SIZES", "BASIC", "LATER", "Evaluated", "candidate_plans",
 
 GB = 1e9
 MICROBATCH_SIZES = (1, 2, 4, 8)
-# the options searched: what Narayanan et al. 2021 used, and what came after
+# the options searched: the simplest set, and what the later chapters add
 BASIC = {"recompute": ("full", "none"), "sequence_parallel": (False,), "interleave": (1,),
          "overlap": (False,)}
 LATER = {"recompute": RECOMPUTE, "sequence_parallel": (False, True), "interleave": (1, 2, 4),
@@ -73,10 +76,13 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _check_options(recompute, sequence_parallel, interleave, overlap) -> None:
+def _check_options(recompute, sequence_parallel, interleave, overlap,
+                   attention=("materialized",)) -> None:
     for r in recompute:
         if r not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {r!r}")
+    for x in attention:
+        checks.one_of("attention", x, ATTENTION)
     for name, values in (("sequence_parallel", sequence_parallel), ("overlap", overlap)):
         for x in values:
             if not isinstance(x, bool):
@@ -91,7 +97,8 @@ def candidate_plans(model: Transformer, cluster: Cluster, batch: int,
                     recompute: Sequence[str] = BASIC["recompute"],
                     sequence_parallel: Sequence[bool] = BASIC["sequence_parallel"],
                     interleave: Sequence[int] = BASIC["interleave"],
-                    overlap: Sequence[bool] = BASIC["overlap"]) -> list[Plan]:
+                    overlap: Sequence[bool] = BASIC["overlap"],
+                    attention: Sequence[str] = ("materialized",)) -> list[Plan]:
     """Every plan of ``cluster.gpus`` GPUs that the model, the global ``batch`` and the options
     allow."""
     checks.positive_int("batch", batch)
@@ -99,7 +106,7 @@ def candidate_plans(model: Transformer, cluster: Cluster, batch: int,
         checks.one_of("zero stage", z, (0, 1, 2, 3))
     for b in microbatch_sizes:
         checks.positive_int("micro-batch size", b)
-    _check_options(recompute, sequence_parallel, interleave, overlap)
+    _check_options(recompute, sequence_parallel, interleave, overlap, attention)
     n, out = cluster.gpus, []
     per_node = cluster.gpus_per_node
     for t in _divisors(n):
@@ -117,8 +124,8 @@ def candidate_plans(model: Transformer, cluster: Cluster, batch: int,
                 vs = sorted({v for v in interleave if v == 1 or (
                     p > 1 and model.layers % (p * v) == 0 and m % p == 0)})
                 for z in (zero_stages if d > 1 else [0]):  # ZeRO over 1 replica: plain
-                    out += [Plan(d, t, p, z, b, r, sp, v, o) for r in recompute
-                            for sp in sps for v in vs for o in overlap]
+                    out += [Plan(d, t, p, z, b, r, sp, v, o, a) for r in recompute
+                            for sp in sps for v in vs for o in overlap for a in attention]
     return out
 
 
@@ -154,11 +161,12 @@ def _no_fit_message(model: Transformer, cluster: Cluster, batch: int, search: di
              f"{(mem.total - have) / GB:.1f} GB missing"]
     widest = {"zero_stages": (0, 1, 2, 3), "microbatch_sizes": tuple(
         sorted({1, *search["microbatch_sizes"]})), "recompute": RECOMPUTE,
-        "sequence_parallel": (False, True), "interleave": (1,), "overlap": (False,)}
+        "sequence_parallel": (False, True), "interleave": (1,), "overlap": (False,),
+        "attention": ATTENTION}
     tried = []
     for key, value in (("recompute", "full"), ("recompute", "selective"), ("zero_stages", 1),
                        ("zero_stages", 2), ("zero_stages", 3), ("sequence_parallel", True),
-                       ("microbatch_sizes", 1)):
+                       ("attention", "fused"), ("microbatch_sizes", 1)):
         if value in search[key]:
             continue
         wider = dict(search, **{key: tuple(search[key]) + (value,)})
@@ -210,7 +218,8 @@ def rank_plans(model: Transformer, cluster: Cluster, batch: int,
                recompute: Sequence[str] = BASIC["recompute"],
                sequence_parallel: Sequence[bool] = BASIC["sequence_parallel"],
                interleave: Sequence[int] = BASIC["interleave"],
-               overlap: Sequence[bool] = BASIC["overlap"], precision: str = PRECISION,
+               overlap: Sequence[bool] = BASIC["overlap"],
+               attention: Sequence[str] = ("materialized",), precision: str = PRECISION,
                utilization: float = UTILIZATION,
                memory_budget: float = MEMORY_BUDGET) -> list[Evaluated]:
     """The plans that fit in ``memory_budget`` of ``cluster.memory_bytes``, fastest first (then
@@ -219,7 +228,8 @@ def rank_plans(model: Transformer, cluster: Cluster, batch: int,
         raise ValueError(f"memory_budget must be in (0, 1], got {memory_budget!r}")
     search = {"zero_stages": tuple(zero_stages), "microbatch_sizes": tuple(microbatch_sizes),
               "recompute": tuple(recompute), "sequence_parallel": tuple(sequence_parallel),
-              "interleave": tuple(interleave), "overlap": tuple(overlap)}
+              "interleave": tuple(interleave), "overlap": tuple(overlap),
+              "attention": tuple(attention)}
     plans = candidate_plans(model, cluster, batch, **search)
     if not plans:
         raise ValueError(f"no plan splits {cluster.gpus} GPUs for heads={model.heads}, "
@@ -264,10 +274,10 @@ def rule_layouts(layouts: Sequence[tuple[int, int]], gpus_per_node: int) -> list
 def format_plans(rows: Sequence[Evaluated], top: int = 5) -> str:
     """The first ``top`` rows: layout, options, memory per GPU (GB), step time and its parts
     (s). ``rc``: recomputation (no, sel, full); ``sp``: sequence parallelism; ``v``: chunks per
-    pipeline device; ``ov``: overlap of the data-parallel traffic."""
+    pipeline device; ``ov``: overlap of the data-parallel traffic; ``fa``: fused attention."""
     lines = [f"{'d':>4} {'t':>2} {'p':>3} {'ZeRO':>4} {'b':>2} {'rc':>4} {'sp':>2} {'v':>1} "
              f"{'ov':>2} {'GB/GPU':>6} {'step s':>7} {'compute':>7} {'TP':>5} {'bubble':>6} "
-             f"{'DP':>5} {'TF/s/GPU':>8}"]
+             f"{'DP':>5} {'TF/s/GPU':>8} {'fa':>2}"]
     short = {"none": "no", "selective": "sel", "full": "full"}
     for r in rows[:checks.positive_int("top", top)]:
         p, m, t = r.plan, r.memory, r.time
@@ -275,5 +285,6 @@ def format_plans(rows: Sequence[Evaluated], top: int = 5) -> str:
                      f"{short[p.recompute]:>4} {'y' if p.sequence_parallel else '-':>2} "
                      f"{p.interleave:>1} {'y' if p.overlap else '-':>2} {m.total / GB:>6.1f} "
                      f"{t.step_s:>7.2f} {t.compute_s:>7.2f} {t.tensor_s:>5.2f} "
-                     f"{t.bubble_s:>6.2f} {t.data_s:>5.2f} {t.tflops_per_gpu:>8.0f}")
+                     f"{t.bubble_s:>6.2f} {t.data_s:>5.2f} {t.tflops_per_gpu:>8.0f} "
+                     f"{'y' if p.attention == 'fused' else '-':>2}")
     return "\n".join(lines)

@@ -149,7 +149,9 @@ def fastest_layouts(case: str = "39.1B on 8 DGX A100", top: int = 5) -> list[pla
 
 def figure_terms(case: str = "39.1B on 8 DGX A100", top: int = 5):
     """Stacked bars: each term of the modelled step of ``fastest_layouts(case, top)``: compute,
-    tensor-parallel all-reduces, bubble, data-parallel all-reduce."""
+    tensor-parallel all-reduces, bubble, the pipeline's sends outside the bubble (``v m`` of
+    them), data-parallel traffic (ZeRO 1: a reduce-scatter and an all-gather); the five add up
+    to ``step_s``."""
     import matplotlib.pyplot as plt
 
     picked = fastest_layouts(case, top)
@@ -157,7 +159,9 @@ def figure_terms(case: str = "39.1B on 8 DGX A100", top: int = 5):
     terms = {"compute": [r.time.compute_s for r in picked],
              "tensor all-reduces": [r.time.tensor_s for r in picked],
              "bubble": [r.time.bubble_s for r in picked],
-             "data all-reduce": [r.time.data_s for r in picked]}
+             "pipeline sends": [r.time.step_s - r.time.compute_s - r.time.tensor_s
+                                - r.time.bubble_s - r.time.data_s for r in picked],
+             "data-parallel traffic": [r.time.data_s for r in picked]}
     fig, ax = plt.subplots(figsize=(8.5, 3.2))
     bottom = np.zeros(len(picked))
     for name, values in terms.items():

@@ -382,8 +382,10 @@ def test_no_fit_hints_are_the_model_applied():
            f"{least(A100, sequence_parallel=(False, True)):.1f} GB" in text
     # none closes the gap, not even all at once: then what would
     assert "-- fits" not in text
+    assert f"with attention='fused': least " \
+           f"{least(A100, attention=pl.ATTENTION):.1f} GB" in text
     every = dict(zero_stages=(0, 1, 2, 3), recompute=pl.RECOMPUTE,
-                 sequence_parallel=(False, True))
+                 sequence_parallel=(False, True), attention=pl.ATTENTION)
     assert least(A100, **every) > 64
     assert f"every option at once: least {least(A100, **every):.1f} GB" in text
     # the fewest nodes: 3-5 have no plan that fits (5 nodes: none splits batch 512), 6 do
@@ -457,3 +459,42 @@ def test_plan_label():
     assert pl.Plan(8, 4, 2, 1, 1, "selective", True, 2, True).label == \
         "d8 t4 p2 ZeRO 1 b1 recompute selective, sp, v2, overlap"
     assert math.isclose(pl.Plan(8, 4, 2).gpus, 64)
+
+
+# --- fused attention (FlashAttention: Dao et al. 2022, section 3.1) ----------------------------
+
+def test_fused_attention_by_hand():
+    model = pl.Transformer(layers=4, hidden=1024, heads=16, seq=512, vocab=1000)
+    s, b, h, a, t = 512, 2, 1024, 16, 4
+    sbh = s * b * h
+
+    def kept(**kw):
+        return pl.layer_activations(model, pl.Plan(1, t, 1, microbatch=b, **kw))[0]
+
+    # the 5 a s^2 b / t score bytes become an fp32 log-sum-exp per head and token: 4 a s b / t
+    lse = 4 * a * s * b / t
+    assert kept(recompute="none", attention="fused") == pytest.approx(sbh * (10 + 24 / t) + lse)
+    assert kept(recompute="selective", attention="fused") == pytest.approx(
+        sbh * (10 + 24 / t) + lse)
+    assert kept(recompute="none", sequence_parallel=True, attention="fused") == pytest.approx(
+        34 * sbh / t + lse)
+    assert kept(recompute="full", attention="fused") == 2 * sbh
+    # FLOPs: selective recomputation reruns nothing; the kernel's own recompute of S = Q K^T is
+    # not charged (nor is materialized attention's memory traffic): same time as no recompute
+    bb, ss, layers, hh, v = 8, 2048, 36, 4096, 51200
+    none = 72 * bb * ss * layers * hh**2 * (1 + ss / (6 * hh)) + 6 * bb * ss * hh * v
+    assert pl.step_flops(GPT_7B, 8, "none", "fused") == pytest.approx(none)
+    assert pl.step_flops(GPT_7B, 8, "selective", "fused") == pytest.approx(none)
+    assert pl.step_flops(GPT_7B, 8, "full", "fused") == pl.step_flops(GPT_7B, 8)
+    sel = pl.Plan(16, 1, 1, recompute="selective")
+    fused = pl.step_time(GPT_7B, A100, dataclasses.replace(sel, attention="fused"), 64)
+    assert fused.step_s == pytest.approx(
+        pl.step_time(GPT_7B, A100, pl.Plan(16, 1, 1, recompute="none"), 64).step_s)
+    assert pl.step_time(GPT_7B, A100, sel, 64).step_s > fused.step_s
+    assert "fused attention" in pl.Plan(8, 4, 2, attention="fused").label
+    with pytest.raises(ValueError, match="attention must be one of"):
+        pl.Plan(8, 4, 2, attention="flash")
+    with pytest.raises(ValueError, match="attention"):
+        plans.candidate_plans(GPT_7B, A100, 64, attention=("flash",))
+    both = plans.candidate_plans(GPT_7B, A100, 64, attention=("materialized", "fused"))
+    assert len(both) == 2 * len(plans.candidate_plans(GPT_7B, A100, 64))

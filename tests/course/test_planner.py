@@ -55,6 +55,18 @@ def test_figure_terms_shows_the_fastest_layouts():
     rows = plans.rank_plans(model, cluster, batch)
     assert labels[0] == f"d{rows[0].plan.data} t{rows[0].plan.tensor} p{rows[0].plan.pipeline}"
     assert labels == ["d8 t4 p2", "d4 t4 p4", "d8 t8 p1"]  # as in the table above it
+    # the stacked bars add up to each plan's modelled step, the pipeline's sends included
+    ax = fig.axes[0]
+    names = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert names == ["compute", "tensor all-reduces", "bubble", "pipeline sends",
+                     "data-parallel traffic"]
+    picked = course.fastest_layouts(top=3)
+    heights = [bar.get_y() + bar.get_height() for bar in ax.containers[-1]]
+    assert heights == pytest.approx([r.time.step_s for r in picked])
+    # the sends: v m of them, each 2 s b h / t bytes at 2 B over the network (25 GB/s)
+    first = picked[0].plan
+    sends = ax.containers[3][0].get_height()
+    assert sends == pytest.approx(64 * 2 * 2 * 2048 * 8192 / first.tensor / 25e9)
 
 
 def test_fastest_layouts_are_distinct_and_ranked():
