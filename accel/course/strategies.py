@@ -121,14 +121,8 @@ def check_backup_every_2_batches(answer) -> str:
     No: the backup after batch 6 holds weights from the middle of epoch 2, but Keras 3 restarts
     ``fit`` at the start of the saved epoch, so batches 5 and 6 are applied a second time on
     top of weights that already contain them."""
-    if answer is None or answer is ...:
-        return "exercise 2: not answered yet"
-    if answer is False:
-        return "exercise 2: correct"
-    if answer is True:
-        return ("exercise 2: not True: look at what the backup holds after batch 6 (which "
-                "weights, which epoch) and at which batch the second fit begins")
-    return f"exercise 2: answer True or False, got {answer!r}"
+    return _check_false(2, answer, "look at what the backup holds after batch 6 (which "
+                        "weights, which epoch) and at which batch the second fit begins")
 
 
 def check_restart_on_fewer_workers(answer) -> str:
@@ -137,11 +131,16 @@ def check_restart_on_fewer_workers(answer) -> str:
     two-replica run? No, only within rtol 1e-5: the weights and step count restore exactly, but
     from step 3 on one device computes each global batch's gradient in one sum where two
     replicas added two half-batch sums, and float addition is not associative."""
+    return _check_false(3, answer, "the checkpoint restores exactly, but compare how the "
+                        "gradient of steps 3 to 6 is summed on one device and on two replicas")
+
+
+def _check_false(number: int, answer, hint: str) -> str:
+    """The verdict on a True/False exercise whose answer is False; ``hint`` follows a True."""
     if answer is None or answer is ...:
-        return "exercise 3: not answered yet"
+        return f"exercise {number}: not answered yet"
     if answer is False:
-        return "exercise 3: correct"
+        return f"exercise {number}: correct"
     if answer is True:
-        return ("exercise 3: not True: the checkpoint restores exactly, but compare how the "
-                "gradient of steps 3 to 6 is summed on one device and on two replicas")
-    return f"exercise 3: answer True or False, got {answer!r}"
+        return f"exercise {number}: not True: {hint}"
+    return f"exercise {number}: answer True or False, got {answer!r}"
