@@ -102,13 +102,19 @@ def test_dp_bytes_by_hand_with_fp32_gradients():
 
 # --- activations: Korthikanti et al. 2022, Table 2 ---------------------------------------------
 
+# the activation tests' layer: s, b, h, a, t = 512, 2, 1024, 16, 4
+_ACT_MODEL = pl.Transformer(layers=4, hidden=1024, heads=16, seq=512, vocab=1000)
+
+
+def _kept(t: int = 4, b: int = 2, **kw) -> float:
+    """Bytes one layer keeps for the backward under ``Plan(1, t, 1, microbatch=b, **kw)``."""
+    return pl.layer_activations(_ACT_MODEL, pl.Plan(1, t, 1, microbatch=b, **kw))[0]
+
+
 def test_layer_activations_are_korthikanti_table_2():
-    model = pl.Transformer(layers=4, hidden=1024, heads=16, seq=512, vocab=1000)
     s, b, h, a, t = 512, 2, 1024, 16, 4
     sbh = s * b * h
-
-    def kept(**kw):
-        return pl.layer_activations(model, pl.Plan(1, t, 1, microbatch=b, **kw))[0]
+    kept = _kept
 
     assert kept(recompute="none") == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
     assert kept(recompute="none") == pytest.approx(layer_activation_bytes(b, s, h, a, t))
@@ -464,12 +470,9 @@ def test_plan_label():
 # --- fused attention (FlashAttention: Dao et al. 2022, section 3.1) ----------------------------
 
 def test_fused_attention_by_hand():
-    model = pl.Transformer(layers=4, hidden=1024, heads=16, seq=512, vocab=1000)
     s, b, h, a, t = 512, 2, 1024, 16, 4
     sbh = s * b * h
-
-    def kept(**kw):
-        return pl.layer_activations(model, pl.Plan(1, t, 1, microbatch=b, **kw))[0]
+    kept = _kept
 
     # the 5 a s^2 b / t score bytes become an fp32 log-sum-exp per head and token: 4 a s b / t
     lse = 4 * a * s * b / t
