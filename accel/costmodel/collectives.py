@@ -59,6 +59,7 @@ from accel import checks
 from accel.costmodel.hardware import LINKS, Spec
 
 __all__ = ["ALGORITHMS", "MEDIA", "terms", "tree_path", "allreduce_time", "crossover_bytes",
+           "all_to_all_time",
            "algorithm_bandwidth",
            "bus_bandwidth", "BUS_FACTORS", "ring_all_reduce_bytes", "sharded_ps_time",
            "packed_time", "local_sgd_step_time", "overlapped_step_time", "TWO_LEVEL",
@@ -355,6 +356,21 @@ def collective_time(collective: str, nbytes: float, n: int, latency_s: float,
         return 0.0
     steps, factor = COLLECTIVES[collective](n)
     return steps * latency_s + factor * nbytes / bandwidth_bps
+
+
+def all_to_all_time(nbytes: float, n: int, latency_s: float, bandwidth_bps: float) -> float:
+    """Modelled seconds of one all-to-all in which each of ``n`` devices sends ``nbytes`` in all
+    to the others: chapter 13's one-port alpha-beta model with direct sends (``n - 1`` messages
+    one after another on each device's link), so
+    ``(n - 1) * latency + nbytes / bandwidth``. For an even all-to-all of ``S``-byte tensors
+    ``nbytes`` is ``(n - 1) / n * S`` (``BUS_FACTORS["all_to_all"]``) and this equals
+    ``collective_time("all_to_all", S, ...)``; a mixture-of-experts dispatch sends what its
+    router chose, so it is given the bytes sent rather than ``S``."""
+    n = checks.positive_int("n", n)
+    nbytes = checks.non_negative_number("nbytes", nbytes)
+    latency_s = checks.non_negative_number("latency_s", latency_s)
+    bandwidth_bps = checks.positive_number("bandwidth_bps", bandwidth_bps)
+    return (n - 1) * latency_s + nbytes / bandwidth_bps
 
 
 # Links of 2024-2026 systems that accel.costmodel.hardware.LINKS does not list (one direction,

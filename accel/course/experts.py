@@ -17,10 +17,11 @@ import numpy as np
 import tensorflow as tf
 
 from accel import checks
+from accel.costmodel.collectives import all_to_all_time
 from accel.costmodel.hardware import bits_per_element, link_bandwidth, peak_flops
 from accel.parallel import moe
 
-__all__ = ["problem_inputs", "small_problem", "all_to_all_time", "DEEPSEEK_V3",
+__all__ = ["problem_inputs", "small_problem", "DEEPSEEK_V3",
            "dispatch_rows", "NVLINK5_BPS", "nvl72_row", "one_hot_cost", "expert_memory",
            "balancing_run", "figure_balance", "CAPACITY_BUDGET",
            "capacity_answer", "capacity_draws", "check_capacity", "IB_QUESTION", "ib_bytes_answer",
@@ -45,19 +46,6 @@ def small_problem(devices: Sequence[str], tokens: int = 64, width: int = 8, hidd
             experts.append((tf.Variable(rng.normal(size=(width, hidden)) / 3),
                             tf.Variable(rng.normal(size=(hidden, width)) / 3)))
     return tf.constant(x), tf.Variable(gate), experts
-
-
-def all_to_all_time(nbytes: float, n: int, latency_s: float, bandwidth_bps: float) -> float:
-    """Modelled seconds of one all-to-all in which each of ``n`` devices sends ``nbytes`` in all
-    to the others: chapter 13's one-port alpha-beta model with direct sends (``n - 1`` messages
-    one after another on each device's link, ``accel.costmodel.collectives``), so
-    ``(n - 1) * latency + nbytes / bandwidth``. For an even all-to-all of ``S``-byte tensors
-    ``nbytes`` is ``(n - 1) / n * S`` (``BUS_FACTORS["all_to_all"]`` there)."""
-    n = checks.positive_int("n", n)
-    nbytes = checks.non_negative_number("nbytes", nbytes)
-    latency_s = checks.non_negative_number("latency_s", latency_s)
-    bandwidth_bps = checks.positive_number("bandwidth_bps", bandwidth_bps)
-    return (n - 1) * latency_s + nbytes / bandwidth_bps
 
 
 # DeepSeek-V3's MoE layer (arXiv:2412.19437; its inference/configs/config_671B.json): width 7168,

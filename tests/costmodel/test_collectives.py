@@ -211,3 +211,15 @@ def test_link_spec_reads_both_tables():
     assert not set(cost.CURRENT_LINKS) & set(LINKS)
     with pytest.raises(ValueError, match="link must be one of"):
         cost.link_spec("NVLink 9")
+
+
+def test_all_to_all_time_is_the_one_port_direct_model():
+    s, n, alpha, bw = 8e6, 4, 1e-5, 1e9
+    nbytes = cost.BUS_FACTORS["all_to_all"](n) * s  # 6e6: three quarters of S leave each device
+    assert cost.all_to_all_time(nbytes, n, alpha, bw) == pytest.approx(3e-5 + 6e-3)
+    assert cost.all_to_all_time(0, 1, alpha, bw) == 0.0
+    # an even exchange: equal to collective_time of the whole array S
+    assert cost.all_to_all_time(nbytes, n, alpha, bw) == pytest.approx(
+        cost.collective_time("all_to_all", s, n, alpha, bw))
+    with pytest.raises(ValueError, match="bandwidth_bps must be a number > 0"):
+        cost.all_to_all_time(1.0, 2, alpha, 0)

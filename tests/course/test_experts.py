@@ -7,18 +7,8 @@ here, and not correct for wrong answers."""
 import numpy as np
 import pytest
 
-from accel.costmodel.collectives import BUS_FACTORS
 from accel.course import experts as course
 from accel.parallel import moe
-
-
-def test_all_to_all_time_is_the_one_port_direct_model():
-    s, n, alpha, bw = 8e6, 4, 1e-5, 1e9
-    nbytes = BUS_FACTORS["all_to_all"](n) * s  # 6e6: three quarters of S leave each device
-    assert course.all_to_all_time(nbytes, n, alpha, bw) == pytest.approx(3e-5 + 6e-3)
-    assert course.all_to_all_time(0, 1, alpha, bw) == 0.0
-    with pytest.raises(ValueError, match="bandwidth_bps must be a number > 0"):
-        course.all_to_all_time(1.0, 2, alpha, 0)
 
 
 def test_dispatch_rows_by_hand():
