@@ -144,7 +144,7 @@ class _Template:
         self.dir = tempfile.mkdtemp(prefix="accel-warm-")
         self._lock = threading.Lock()
         self._count = itertools.count()
-        self.popen = subprocess.Popen([sys.executable, "-m", "accel.procs", "template"],
+        self.popen = subprocess.Popen([sys.executable, "-m", "accel.procs", "template", self.dir],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, env=env, text=True,
                                       start_new_session=True)
@@ -442,10 +442,13 @@ def _run_forked(request: dict) -> None:
         os._exit(code)
 
 
-def template_main() -> None:
-    """``python -m accel.procs template``: import TensorFlow, say ``ready``, then fork one
-    child per request line until stdin closes; write each child's exit code when it ends.
-    Nothing here may run a TensorFlow op: a forked runtime would be shared, not fresh."""
+def template_main(work_dir: str) -> None:
+    """``python -m accel.procs template WORK_DIR``: import TensorFlow, say ``ready``, then fork
+    one child per request line until stdin closes; write each child's exit code when it ends.
+    When stdin closes (the launcher closed it, or died without running its exit handlers, as a
+    killed Jupyter kernel or test worker does) the template removes ``WORK_DIR``, the launcher's
+    folder of the children's output files, so that no run leaves one behind in the temporary
+    folder. Nothing here may run a TensorFlow op: a forked runtime would be shared, not fresh."""
     import tensorflow  # noqa: F401  (the import every child saves)
 
     print("ready", flush=True)
@@ -469,6 +472,7 @@ def template_main() -> None:
             continue
         line = stdin.readline()
         if not line:  # the launcher closed the pipe (or died): children keep their sessions
+            shutil.rmtree(work_dir, ignore_errors=True)
             return
         request = json.loads(line)
         pid = os.fork()
@@ -479,7 +483,7 @@ def template_main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["template"]:
-        template_main()
+    if len(sys.argv) == 3 and sys.argv[1] == "template":
+        template_main(sys.argv[2])
     else:
-        raise SystemExit("usage: python -m accel.procs template")
+        raise SystemExit("usage: python -m accel.procs template WORK_DIR")

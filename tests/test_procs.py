@@ -190,3 +190,19 @@ def test_a_function_travels_by_its_import_path():
     for bad in (lambda x: x, _local.__call__, None, 3):
         with pytest.raises(ValueError, match="model_fn must be a function defined at the top"):
             procs.function_path(bad, "model_fn")
+
+
+@pytest.mark.skipif(not procs.warm_available(), reason="warm starts are Linux-only")
+def test_a_launcher_that_dies_without_its_exit_handlers_leaves_no_folder_behind():
+    """A killed kernel or test worker runs no atexit handler: the template sees its stdin close
+    and removes the folder of its children's output files itself."""
+    launcher = ("import os\n"
+                "from accel import procs\n"
+                "procs.run_python('print(1)', warm=True)\n"
+                "print(next(iter(procs._TEMPLATES.values())).dir, flush=True)\n"
+                "os._exit(0)  # as a killed process: no exit handler runs\n")
+    folder = Path(procs.run_python(launcher, warm=False).split()[-1])
+    end = time.monotonic() + 30
+    while folder.exists() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not folder.exists()
