@@ -2,7 +2,8 @@
 counts on its own devices (``memory_checks``) and next to a real Keras transformer block on a
 logical device: its variables' bytes, the activations its tape keeps, the measured peak of a
 step (``keras_block_check``), the step-time terms of a few plans as a figure (a cost model: fixed
-data), and the exercises' checks."""
+data), the layouts ranked first under each assumption the model cannot settle
+(``first_layouts``), and the exercises' checks."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from accel import models
+from accel.costmodel import megatron_table as mt
 from accel.costmodel import planner as pl
 from accel.costmodel import plans
 
 __all__ = ["CASES", "memory_checks", "keras_block", "keras_block_check", "fastest_layouts",
-           "figure_terms", "EXERCISES", "exercise_answer", "check_exercise"]
+           "figure_terms", "ASSUMPTIONS", "first_layouts", "EXERCISES", "exercise_answer",
+           "MEASURE_FIRST", "check_exercise"]
 
 # the chapter's two questions: name -> (model, cluster, global batch)
 CASES: dict[str, tuple[pl.Transformer, pl.Cluster, int]] = {
@@ -174,6 +177,43 @@ def figure_terms(case: str = "39.1B on 8 DGX A100", top: int = 5):
     return fig
 
 
+# exercise 3: what the model assumes and cannot settle, as ``plans.rank_plans`` arguments on top
+# of ``plans.LATER``: the data-parallel traffic hidden not at all or in full (section 3's two
+# bounds), compute at the planner's share of the peak (``pl.UTILIZATION``, which section 6's fit
+# on Table 1 confirms) or at the best A100 bf16 matmul's (``mt.GEMM_CEILING``: 267.9 of the
+# A100's 312 TFLOP/s, ``accel.costmodel.hardware``), the most a step could reach
+_CEILING = mt.GEMM_CEILING[0] * 1e12 / pl.Cluster.dgx_a100(nodes=1).peak_flops
+ASSUMPTIONS: dict[str, dict] = {
+    "no overlap, utilisation 0.5": {"overlap": (False,), "utilization": pl.UTILIZATION},
+    "overlap in full, utilisation 0.5": {"overlap": (False, True),
+                                         "utilization": pl.UTILIZATION},
+    "no overlap, best matmul's share": {"overlap": (False,), "utilization": _CEILING},
+    "overlap in full, best matmul's share": {"overlap": (False, True), "utilization": _CEILING},
+}
+
+
+def first_layouts(case: str = "39.1B on 8 DGX A100",
+                  assumptions: dict[str, dict] | None = None) -> dict[str, tuple[int, int, int]]:
+    """name -> the (tensor, pipeline, ZeRO stage) of the plan ``plans.rank_plans`` puts first
+    for ``CASES[case]`` with ``plans.LATER``'s search under each of ``assumptions`` (default
+    ``ASSUMPTIONS``: a dict of ``rank_plans`` keyword arguments that override the search)."""
+    if case not in CASES:
+        raise ValueError(f"case must be one of {sorted(CASES)}, got {case!r}")
+    assumptions = ASSUMPTIONS if assumptions is None else assumptions
+    if not isinstance(assumptions, dict) or not assumptions:
+        raise ValueError(f"assumptions must be a non-empty dict of name -> rank_plans "
+                         f"arguments, got {assumptions!r}")
+    model, cluster, batch = CASES[case]
+    out = {}
+    for name, args in assumptions.items():
+        if not isinstance(args, dict):
+            raise ValueError(f"assumption {name!r} must be a dict of rank_plans arguments, "
+                             f"got {args!r}")
+        first = plans.rank_plans(model, cluster, batch, **{**plans.LATER, **args})[0].plan
+        out[name] = (first.tensor, first.pipeline, first.zero)
+    return out
+
+
 # the exercises: (question name) -> (model, cluster, global batch, search options, precision)
 EXERCISES: dict[str, tuple] = {
     "18 bytes per parameter": (*CASES["39.1B on 8 DGX A100"], {}, "megatron-bf16"),
@@ -183,18 +223,41 @@ EXERCISES: dict[str, tuple] = {
 }
 
 
-def exercise_answer(name: str) -> tuple[int, int]:
-    """The (tensor, pipeline) pair the planner ranks first for ``EXERCISES[name]``."""
+# exercise 3 (name -> the case whose first layouts under ``ASSUMPTIONS`` are the answer)
+MEASURE_FIRST = {"three benchmark runs": "39.1B on 8 DGX A100"}
+
+
+def exercise_answer(name: str):
+    """The (tensor, pipeline) pair the planner ranks first for ``EXERCISES[name]``; for
+    ``MEASURE_FIRST[name]``, the set of (tensor, pipeline, ZeRO stage) layouts that some
+    assumption of ``ASSUMPTIONS`` ranks first."""
+    if name in MEASURE_FIRST:
+        return frozenset(first_layouts(MEASURE_FIRST[name]).values())
     if name not in EXERCISES:
-        raise ValueError(f"exercise must be one of {sorted(EXERCISES)}, got {name!r}")
+        raise ValueError(f"exercise must be one of {sorted([*EXERCISES, *MEASURE_FIRST])}, "
+                         f"got {name!r}")
     model, cluster, batch, search, precision = EXERCISES[name]
     first = plans.rank_plans(model, cluster, batch, precision=precision, **search)[0].plan
     return first.tensor, first.pipeline
 
 
+def _as_layout_set(answer) -> frozenset | None:
+    """A set, list or tuple of tuples / lists as a set of tuples (order-free); None otherwise."""
+    if not isinstance(answer, set | frozenset | list | tuple):
+        return None
+    if not all(isinstance(x, tuple | list) for x in answer):
+        return None
+    return frozenset(tuple(x) for x in answer)
+
+
 def check_exercise(name: str, answer) -> str:
-    """``answer``: the (tensor, pipeline) pair you predict, then find, for ``EXERCISES[name]``."""
+    """``answer``: the (tensor, pipeline) pair you predict, then find, for ``EXERCISES[name]``;
+    for ``MEASURE_FIRST[name]``, the (tensor, pipeline, ZeRO stage) layouts, in any order."""
     if answer is None:
         return f"exercise '{name}': not answered yet"
-    ok = isinstance(answer, tuple | list) and tuple(answer) == exercise_answer(name)
+    expected = exercise_answer(name)  # raises for an unknown name
+    if name in MEASURE_FIRST:
+        ok = _as_layout_set(answer) == expected
+    else:
+        ok = isinstance(answer, tuple | list) and tuple(answer) == expected
     return f"exercise '{name}': " + ("correct" if ok else "not quite, try again")

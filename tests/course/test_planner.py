@@ -48,6 +48,44 @@ def test_exercise_solutions():
         course.check_exercise("nope", (1, 1))
 
 
+def test_exercise_three_benchmark_runs():
+    # 3: the (t, p, ZeRO) layouts ranked first under any of the four assumptions: section 1's
+    # layout without overlap (at either utilisation), section 3's with overlap at 0.5, and a
+    # third, with a pipeline, with overlap at the best matmul's share (faster compute hides less)
+    name = "three benchmark runs"
+    answer = {(4, 2, 1), (2, 1, 2), (2, 2, 2)}
+    assert course.check_exercise(name, None) == f"exercise '{name}': not answered yet"
+    assert course.exercise_answer(name) == answer
+    for given in (answer, [(2, 2, 2), (4, 2, 1), (2, 1, 2)], [[2, 1, 2], [2, 2, 2], [4, 2, 1]]):
+        assert course.check_exercise(name, given) == f"exercise '{name}': correct"
+    # the top three rows of one ranking, or the runners-up of section 3, are not the answer
+    for wrong in ({(4, 2, 1)}, {(4, 2, 1), (2, 1, 2)}, {(4, 2, 1), (2, 1, 2), (4, 1, 2)},
+                  (4, 2, 1), "(4, 2, 1), (2, 1, 2), (2, 2, 2)"):
+        assert course.check_exercise(name, wrong) == f"exercise '{name}': not quite, try again"
+    # independently: the best matmul's share from its literal figures (267.9 of 312 TFLOP/s)
+    # and each ranking built here from plans.rank_plans' own arguments
+    model, cluster, batch = course.CASES["39.1B on 8 DGX A100"]
+    assert course.ASSUMPTIONS["no overlap, best matmul's share"]["utilization"] == \
+        pytest.approx(267.9 / 312)
+    firsts = set()
+    for overlap in ((False,), (False, True)):
+        for utilization in (0.5, 267.9 / 312):
+            search = dict(plans.LATER, overlap=overlap)
+            first = plans.rank_plans(model, cluster, batch, utilization=utilization,
+                                     **search)[0].plan
+            firsts.add((first.tensor, first.pipeline, first.zero))
+    assert firsts == answer
+    assert course.first_layouts()["overlap in full, utilisation 0.5"] == (2, 1, 2)
+    # the exercises' answers still check as before: a set is no (t, p) pair
+    assert course.check_exercise("18 bytes per parameter", {(4, 4)}).endswith("try again")
+    with pytest.raises(ValueError, match="case must be one of"):
+        course.first_layouts("nope")
+    with pytest.raises(ValueError, match="assumptions must be a non-empty dict"):
+        course.first_layouts(assumptions={})
+    with pytest.raises(ValueError, match="must be a dict of rank_plans arguments"):
+        course.first_layouts(assumptions={"x": 0.5})
+
+
 def test_figure_terms_shows_the_fastest_layouts():
     fig = course.figure_terms(top=3)
     labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
