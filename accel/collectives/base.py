@@ -27,10 +27,12 @@ def check_devices(devices: Sequence[str]) -> list[str]:
     return devices
 
 
-def place(values, devices: Sequence[str]) -> list:
+def place(values, devices: Sequence[str], make=tf.identity) -> list:
     """One tensor per device: ``values[i]`` on ``devices[i]`` (a list or tuple of arrays or
-    tensors), or one value copied to every device. The copy is a ``tf.identity`` under
-    ``tf.device``, so gradients flow back through it."""
+    tensors), or one value copied to every device. The copy is ``make(value)`` under
+    ``tf.device``: a ``tf.identity`` by default, so gradients flow back through it;
+    ``make=tf.Variable`` gives a variable on each device (a variable lives where the device
+    scope at its creation says, not where its initial value is)."""
     devices = check_devices(devices)
     if not isinstance(values, list | tuple):
         values = [values] * len(devices)
@@ -39,7 +41,7 @@ def place(values, devices: Sequence[str]) -> list:
     out = []
     for value, device in zip(values, devices, strict=True):
         with tf.device(device):
-            out.append(tf.identity(value))
+            out.append(make(value))
     return out
 
 

@@ -9,7 +9,7 @@ next to the paper's formulas, the ``zero`` benchmark, a figure and the exercise 
 * ``bench(device_names, quick=False)``: ``python -m accel bench zero``;
 * ``figure_zero_memory()``: the paper's example (7.5B parameters, N = 64) as bars;
 * ``copy_of`` / ``same_weights``: a Keras model's twin, and the check that two trained twins
-  hold the same weights;
+  hold the same weights; ``variables_on``: one variable per device (a shard each);
 * ``gathered_bytes`` / ``gather_waits`` / ``stage3_timeline``: what stage 3 gathers per layer
   on a device and what each gather waits for, read from the traced graph, and one step's
   gathers and layers on a device's lanes, read from a profiler trace;
@@ -39,7 +39,7 @@ from accel.parallel.zero import ZeroStep
 from accel.training import squared_error
 
 __all__ = ["SIZES", "NAMES", "mlp_layer_fns", "make_steps", "held_table", "sent_table",
-           "time_steps", "bench", "figure_zero_memory", "copy_of", "same_weights",
+           "time_steps", "bench", "figure_zero_memory", "copy_of", "same_weights", "variables_on",
            "gathered_bytes", "gather_waits", "stage3_timeline", "keras_sent_bytes",
            "HOST_ADAM_BYTES_PER_PARAM", "HOST_DRAM_SOURCE", "OFFLOAD_SETUPS",
            "offload_with_host_adam", "host_adam_break_even_tokens",
@@ -167,6 +167,11 @@ def same_weights(model, ref, rtol: float = 1e-12) -> bool:
     scale = max(float(np.abs(w).max()) for w in want)
     return all(np.allclose(a, b, rtol=rtol, atol=rtol * scale)
                for a, b in zip(model.get_weights(), want, strict=True))
+
+
+def variables_on(parts: Sequence, devices: Sequence[str]) -> list:
+    """One ``tf.Variable`` per device: ``parts[i]`` (an array or tensor) on ``devices[i]``."""
+    return collectives.place(list(parts), devices, make=tf.Variable)
 
 
 # -- stage 3: what a device gathers while it runs, and when ------------------------------------

@@ -156,3 +156,14 @@ def test_keras_sent_bytes_by_hand(four_devices):
                       accumulation_steps=2)
     assert course.keras_sent_bytes(offload, x, y) == {two[0]: 580, two[1]: 580,
                                                        four_devices[3]: 232}
+
+
+def test_variables_on_places_one_part_per_device(four_devices):
+    parts = np.split(np.arange(32.0).reshape(16, 2), 4)  # 4 rows each
+    shards = course.variables_on(parts, four_devices)
+    for v, part, device in zip(shards, parts, four_devices, strict=True):
+        assert isinstance(v, tf.Variable)
+        assert v.device.endswith(device.split("device:")[-1])  # e.g. CPU:2, not CPU:0
+        np.testing.assert_array_equal(v.numpy(), part)
+    with pytest.raises(ValueError, match="3 values for 4 devices"):
+        course.variables_on(parts[:3], four_devices)
