@@ -72,8 +72,10 @@ def microbatches_for_efficiency(num_stages: int, target: float) -> int:
 
 def stash_microbatches(schedule: str, num_microbatches: int, num_stages: int) -> int:
     """How many micro-batches' activations the first stage holds at its peak: ``m`` under GPipe,
-    ``min(p, m)`` under 1F1B (counted exactly on the schedules by ``pipeline.peak_in_flight``)."""
-    checks.one_of("schedule", schedule, ("gpipe", "1f1b"))
+    ``min(p, m)`` under 1F1B and ZB-H1 (whose W keeps them until it runs: every stage holds
+    ``min(p, m)``, Qi et al. 2023, arXiv:2401.10241, section 2.1) (counted exactly on the
+    schedules by ``pipeline.peak_in_flight``)."""
+    checks.one_of("schedule", schedule, ("gpipe", "1f1b", "zb-h1"))
     checks.positive_int("num_stages", num_stages)
     checks.positive_int("num_microbatches", num_microbatches)
     return num_microbatches if schedule == "gpipe" else min(num_stages, num_microbatches)

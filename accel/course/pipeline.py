@@ -266,11 +266,12 @@ def stage_phase_times(run) -> dict[tuple[int, str], float]:
 
 
 def _task_times(run) -> dict[str, float]:
-    """Median forward and backward task time over all stages of a run."""
-    times = {"F": [], "B": []}
+    """Median forward and backward (and, where the run split it, weight-gradient) task time
+    over all stages of a run."""
+    times: dict[str, list[float]] = {"F": [], "B": []}
     for log in run.log:
         for (_, _, phase), start, end in log:
-            times[phase].append(end - start)
+            times.setdefault(phase, []).append(end - start)
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
@@ -540,14 +541,21 @@ def bench_overhead(device_names: Sequence[str], quick: bool = False) -> dict:
     return {"step_s": step_s, **report, "ceiling": measured.value}
 
 
-def figure_schedules(num_microbatches: int = 8, num_stages: int = 4):
-    """GPipe and 1F1B on the clock, one row per stage (pure schedule data, no measurement)."""
+_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1"}
+
+
+def figure_schedules(num_microbatches: int = 8, num_stages: int = 4,
+                     names: Sequence[str] = ("gpipe", "1f1b")):
+    """Schedules on the clock, one panel per name (``"gpipe"``, ``"1f1b"``, ``"zb-h1"``: its
+    W tasks drawn as ``W3``), one row per stage (pure schedule data, no measurement)."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(10, 4.2), sharex=True)
-    for ax, (name, make) in zip(axes, (("GPipe", pl.gpipe_schedule),
-                                       ("1F1B", pl.one_f_one_b_schedule)), strict=True):
-        schedule = make(num_microbatches, num_stages)
+    for name in names:
+        checks.one_of("names", name, tuple(_TITLES))
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.1 * len(names)), sharex=True,
+                             squeeze=False)
+    for ax, key in zip(axes[:, 0], names, strict=True):
+        name, schedule = _TITLES[key], pl.make_schedule(key, num_microbatches, num_stages)
         bars = [(f"stage {s}", t, t + 1, f"{ph}{mb}") for t, tasks in enumerate(schedule)
                 for s, mb, ph in tasks]
         viz.timeline(bars, ax=ax, title=f"{name}: {num_stages} stages, {num_microbatches} "

@@ -21,12 +21,31 @@ and ``m`` micro-batches every stage runs ``2m`` tasks:
   ``2 (p - d - 1) + (v - 1) p`` forwards on device ``d`` (Narayanan et al. 2021, section 2.2;
   ``m`` must be a multiple of ``p``). A task is a chunk, ``1/v`` of a full stage.
 
-All three come from per-device task orders placed on the clock by ``clock_schedule``: a task
-runs at the first tick after the tasks it depends on (the forward on the previous stage, the
-backward on the next stage, its own forward) and after its device's previous task. With every
-task one tick long the idle fraction of the clock is ``bubble_fraction(m, p) = (p-1)/(m+p-1)``
-for GPipe and 1F1B, and ``bubble_fraction(m, p, v) = (p-1)/(v m + p-1)`` interleaved
-(``idle_fraction`` measures it on a schedule).
+**The backward split in two** (Qi et al. 2023, "Zero Bubble Pipeline Parallelism",
+arXiv:2401.10241, ICLR 2024, section 2): a schedule may also hold phase ``"W"``. In a schedule
+that holds W tasks, ``"B"`` is the gradient with respect to the stage's *inputs* only (what the
+previous stage waits for) and ``"W"`` the gradient with respect to the stage's *weights*, for
+the same ``(stage, microbatch)``; every stage then runs ``3m`` tasks. W needs B's output
+gradients and the stashed activations, and nothing waits for W but the optimizer step, so W
+fills bubbles. A schedule without W keeps the meaning above (B = the whole backward).
+
+* ``zb_h1_schedule(m, p)``: ZB-H1 (Qi et al., section 2.1, Figure 3 top): 1F1B's warm-up
+  of ``p - j - 1`` forwards, then ``j`` pairs of one forward and one input-gradient B whose W
+  is put off, then F, B, W in turn, then B, W, then the ``j`` W put off. Every stage holds
+  ``p`` micro-batches at its peak (1F1B's first stage: the same peak activation memory), and
+  with F, B and W one tick each the bubble is a third of 1F1B's (see ``bubble_fraction``). The
+  order is the authors' DeepSpeed one (``ZeroBubbleH1Pipeline`` with exact semantics,
+  microsoft/Megatron-DeepSpeed ``megatron/core/pipeline_parallel/deepspeed_zbh1_schedule.py``),
+  also PyTorch's zero-bubble warm-up (``_get_1f1b_rank_ops`` with ``enable_zero_bubble``,
+  ``torch/distributed/pipelining/schedules.py``).
+
+All of them come from per-device task orders placed on the clock by ``clock_schedule``: a task
+runs at the first tick after the tasks it depends on (``dependencies``: the forward on the
+previous stage; for a backward, its own forward and the backward, B, on the next stage; for a
+W, its own B) and after its device's previous task. With every task one tick long the idle
+fraction of the clock is ``bubble_fraction(m, p) = (p-1)/(m+p-1)`` for GPipe and 1F1B,
+``bubble_fraction(m, p, v) = (p-1)/(v m + p-1)`` interleaved and ``(p-1)/(3m+p-1)`` for
+ZB-H1 (``idle_fraction`` measures it on a schedule).
 
 Where a function takes ``num_devices``, stages are virtual: stage ``s`` on device
 ``s % num_devices``; left out, every stage has a device of its own.
@@ -39,14 +58,15 @@ from collections.abc import Callable, Sequence
 from accel import checks
 
 __all__ = ["PHASES", "Task", "gpipe_orders", "one_f_one_b_orders", "interleaved_orders",
-           "clock_schedule", "dependencies", "gpipe_schedule", "one_f_one_b_schedule",
-           "interleaved_schedule",
+           "zb_h1_orders", "clock_schedule", "dependencies", "splits_backward", "gpipe_schedule",
+           "one_f_one_b_schedule", "interleaved_schedule", "zb_h1_schedule",
            "SCHEDULES", "make_schedule", "validate_schedule", "stage_orders", "device_orders",
            "bubble_fraction", "idle_fraction", "peak_in_flight", "format_schedule", "simulate",
            "interval_idle_fractions"]
 
-PHASES = ("F", "B")
+PHASES = ("F", "B", "W")  # forward, backward (input gradient where a schedule has W), weights
 Task = tuple[int, int, str]  # (stage, microbatch, phase)
+_TASK = "(stage, microbatch, 'F', 'B' or 'W')"
 
 
 def _check_sizes(num_microbatches: int, num_stages: int) -> None:
@@ -111,12 +131,47 @@ def interleaved_orders(num_microbatches: int, num_stages: int,
     return orders
 
 
+def zb_h1_orders(num_microbatches: int, num_stages: int) -> list[list[Task]]:
+    """ZB-H1's task order on each stage (Qi et al. 2023, section 2.1, Figure 3 top; the order
+    of the authors' ``ZeroBubbleH1Pipeline.steps`` with exact semantics): stage ``j`` runs
+    ``min(p - j - 1, m)`` warm-up forwards, then up to ``j`` pairs F, B whose W is put off, then
+    F, B, W in turn while forwards remain, then B, W, then the W put off, oldest first. B is
+    the input gradient, W the weight gradient (module docstring)."""
+    _check_sizes(num_microbatches, num_stages)
+    m, p = num_microbatches, num_stages
+    orders = []
+    for j in range(p):
+        warmup = min(p - j - 1, m)
+        put_off = min(j, m - warmup)  # F, B pairs without their W
+        order = [(j, i, "F") for i in range(warmup)]
+        for k in range(put_off):
+            order += [(j, warmup + k, "F"), (j, k, "B")]
+        for k in range(m - warmup - put_off):
+            order += [(j, warmup + put_off + k, "F"), (j, put_off + k, "B"), (j, k, "W")]
+        w = m - warmup - put_off  # the W run so far
+        for k in range(m - warmup, m):
+            order += [(j, k, "B"), (j, w, "W")]
+            w += 1
+        order += [(j, k, "W") for k in range(w, m)]
+        orders.append(order)
+    return orders
+
+
+def splits_backward(schedule: Sequence[Sequence[Task]]) -> bool:
+    """Whether ``schedule`` (ticks, or per-device orders) holds W tasks: then its B tasks are
+    input gradients only, and W the weight gradients (module docstring)."""
+    return any(task[2] == "W" for tasks in schedule for task in tasks)
+
+
 def dependencies(task: Task, num_stages: int) -> list[Task]:
     """The tasks ``task`` waits for: the forward of its micro-batch on the previous stage (a
-    forward), or its own forward and the backward on the next stage (a backward)."""
+    forward); its own forward and the backward B on the next stage (a backward: B, never the
+    next stage's W, which is what lets W wait); its own B (a W)."""
     stage, mb, phase = task
     if phase == "F":
         return [(stage - 1, mb, "F")] if stage > 0 else []
+    if phase == "W":
+        return [(stage, mb, "B")]
     deps = [(stage, mb, "F")]
     return deps + ([(stage + 1, mb, "B")] if stage < num_stages - 1 else [])
 
@@ -138,7 +193,7 @@ def clock_schedule(orders: Sequence[Sequence[Task]],
                     and isinstance(task[0], int) and 0 <= task[0] < num_stages
                     and task[0] % p == j):
                 raise ValueError(f"device {j}'s order holds {task!r}: tasks must be "
-                                 f"(stage, microbatch, 'F' or 'B') with a stage < {num_stages} "
+                                 f"{_TASK} with a stage < {num_stages} "
                                  f"placed on device {j} (stage % {p} == {j})")
     done: dict[Task, int] = {}
     position = [0] * p
@@ -181,6 +236,12 @@ def one_f_one_b_schedule(num_microbatches: int, num_stages: int) -> list[list[Ta
     return clock_schedule(one_f_one_b_orders(num_microbatches, num_stages))
 
 
+def zb_h1_schedule(num_microbatches: int, num_stages: int) -> list[list[Task]]:
+    """ZB-H1 on the clock: forward, input-gradient backward (B) and weight gradient (W) tasks,
+    one tick each (module docstring)."""
+    return clock_schedule(zb_h1_orders(num_microbatches, num_stages))
+
+
 def interleaved_schedule(num_microbatches: int, num_stages: int,
                          num_chunks: int) -> list[list[Task]]:
     """Interleaved 1F1B on the clock: ``num_stages`` devices, ``num_chunks`` chunks each,
@@ -189,7 +250,7 @@ def interleaved_schedule(num_microbatches: int, num_stages: int,
                           num_stages * num_chunks)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def make_schedule(name: str, num_microbatches: int, num_stages: int,
@@ -203,16 +264,17 @@ def make_schedule(name: str, num_microbatches: int, num_stages: int,
     if num_chunks != 1:
         raise ValueError(f"num_chunks={num_chunks} needs the 'interleaved' schedule; {name!r} "
                          "puts one chunk on each device")
-    build = gpipe_schedule if name == "gpipe" else one_f_one_b_schedule
+    build = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule,
+             "zb-h1": zb_h1_schedule}[name]
     return build(num_microbatches, num_stages)
 
 
 def validate_schedule(schedule: Sequence[Sequence[Task]], num_stages: int,
                       num_microbatches: int, num_devices: int | None = None) -> None:
     """``ValueError`` naming the first problem unless ``schedule`` runs every forward and every
-    backward exactly once, at most one task per device per tick (stage ``s`` on device
-    ``s % num_devices``; default: a device per stage), and no task before the tasks it depends
-    on (the previous stage's forward, the next stage's backward, its own forward)."""
+    backward exactly once (and every W, if it holds any: then all of them), at most one task
+    per device per tick (stage ``s`` on device ``s % num_devices``; default: a device per
+    stage), and no task before the tasks it depends on (``dependencies``)."""
     _check_sizes(num_microbatches, num_stages)
     num_devices = num_stages if num_devices is None else num_devices
     _check_virtual(num_stages, num_devices)
@@ -223,7 +285,7 @@ def validate_schedule(schedule: Sequence[Sequence[Task]], num_stages: int,
                     and isinstance(task[0], int) and isinstance(task[1], int)
                     and 0 <= task[0] < num_stages and 0 <= task[1] < num_microbatches):
                 raise ValueError(f"tick {tick}: {task!r} is not a (stage < {num_stages}, "
-                                 f"microbatch < {num_microbatches}, 'F' or 'B') task")
+                                 f"microbatch < {num_microbatches}, 'F', 'B' or 'W') task")
             if task in when:
                 raise ValueError(f"task {task!r} runs twice (ticks {when[task]} and {tick})")
             when[task] = tick
@@ -231,9 +293,10 @@ def validate_schedule(schedule: Sequence[Sequence[Task]], num_stages: int,
         if len(set(devices)) != len(devices):
             what = "a stage" if num_devices == num_stages else "a device"
             raise ValueError(f"tick {tick}: {what} runs two tasks at once ({list(tasks)})")
+    phases = PHASES if splits_backward(schedule) else PHASES[:2]
     for j in range(num_stages):
         for i in range(num_microbatches):
-            for phase in PHASES:
+            for phase in phases:
                 if (j, i, phase) not in when:
                     raise ValueError(f"the schedule drops task {(j, i, phase)!r}")
     for task, tick in when.items():
@@ -263,12 +326,31 @@ def device_orders(schedule: Sequence[Sequence[Task]], num_devices: int) -> list[
     return orders
 
 
-def bubble_fraction(num_microbatches: int, num_stages: int, num_chunks: int = 1) -> float:
-    """The idle share of a synchronous pipeline's clock on ``num_stages`` devices,
-    (p - 1) / (v m + p - 1); ``v = num_chunks`` = 1 for GPipe and 1F1B."""
+def bubble_fraction(num_microbatches: int, num_stages: int, num_chunks: int = 1,
+                    schedule: str = "1f1b") -> float:
+    """The idle share of a synchronous pipeline's clock on ``num_stages`` devices, every task
+    one tick: (p - 1) / (v m + p - 1) for ``schedule`` ``"gpipe"``, ``"1f1b"`` (``v =
+    num_chunks`` = 1) and ``"interleaved"``; (p - 1) / (3m + p - 1) for ``"zb-h1"`` (m >= p).
+
+    ZB-H1, F, B and W one tick each: stage 0's first B waits for micro-batch 0's forward to
+    reach the last stage (tick p - 1) and its B to come back (ticks p .. 2p - 1), so stage 0
+    starts B0 at tick 2p - 1 after p forwards; from then on its orders leave no gap, so the
+    clock is (2p - 1) + (3m - p) = 3m + p - 1 ticks long for 3m tasks per stage, every stage
+    ending on the same tick. The bubble is p - 1 ticks per stage against 1F1B's 3(p - 1) on
+    the same clock, where 1F1B's backward is B and W together (two ticks): a third, as Qi et
+    al. say (section 2.1); per tick of work, (p - 1)/3m against (p - 1)/m, the bubble rates in
+    the README of sail-sg/zero-bubble-pipeline-parallelism (T_F = T_B = T_W)."""
     _check_sizes(num_microbatches, num_stages)
     checks.positive_int("num_chunks", num_chunks)
-    return (num_stages - 1) / (num_chunks * num_microbatches + num_stages - 1)
+    checks.one_of("schedule", schedule, SCHEDULES)
+    m, p = num_microbatches, num_stages
+    if schedule == "zb-h1":
+        if num_chunks != 1 or m < p:
+            raise ValueError(f"the ZB-H1 formula holds for one chunk and num_microbatches >= "
+                             f"num_stages: got num_chunks={num_chunks}, num_microbatches={m}, "
+                             f"num_stages={p}")
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (num_chunks * m + p - 1)
 
 
 def idle_fraction(schedule: Sequence[Sequence[Task]], num_stages: int) -> float:
@@ -282,13 +364,15 @@ def idle_fraction(schedule: Sequence[Sequence[Task]], num_stages: int) -> float:
 
 
 def peak_in_flight(schedule: Sequence[Sequence[Task]], num_stages: int) -> list[int]:
-    """For each stage, the most micro-batches whose forward has run and backward has not: how
-    many micro-batches' activations the stage must stash at once."""
+    """For each stage, the most micro-batches whose forward has run and backward has not (its
+    W, where the schedule holds W tasks: W needs the activations): how many micro-batches'
+    activations the stage must stash at once."""
     checks.positive_int("num_stages", num_stages)
     held, peak = [0] * num_stages, [0] * num_stages
+    release = "W" if splits_backward(schedule) else "B"
     for tasks in schedule:
         for stage, _, phase in tasks:
-            held[stage] += 1 if phase == "F" else -1
+            held[stage] += 1 if phase == "F" else -1 if phase == release else 0
             peak[stage] = max(peak[stage], held[stage])
     return peak
 
@@ -296,7 +380,8 @@ def peak_in_flight(schedule: Sequence[Sequence[Task]], num_stages: int) -> list[
 def format_schedule(schedule: Sequence[Sequence[Task]], num_stages: int,
                     num_devices: int | None = None) -> str:
     """The schedule as text: one row per stage (per device with ``num_devices``), one column
-    per tick, ``F3`` / ``B3`` for the forward / backward of micro-batch 3 (``F3c1``: on the
+    per tick, ``F3`` / ``B3`` / ``W3`` for the forward / backward / weight gradient of
+    micro-batch 3 (``F3c1``: on the
     device's chunk 1, with virtual stages), ``.`` where the row idles."""
     checks.positive_int("num_stages", num_stages)
     rows_n = num_stages if num_devices is None else num_devices
@@ -316,9 +401,10 @@ def format_schedule(schedule: Sequence[Sequence[Task]], num_stages: int,
 
 def simulate(orders: Sequence[Sequence[Task]], durations: Callable[[Task], float],
              num_stages: int | None = None) -> list[list[tuple[Task, float, float]]]:
-    """Per-device task orders played out with real durations (``durations(task)`` seconds):
-    each task starts when its device is free and the tasks it depends on have ended
-    (``num_stages``: virtual stages, as in ``clock_schedule``). Returns each device's
+    """Per-device task orders played out with real durations (``durations(task)`` seconds, so
+    per phase: F, B and W may differ): each task starts when its device is free and the tasks
+    it depends on (``dependencies``) have ended (``num_stages``: virtual stages, as in
+    ``clock_schedule``). Returns each device's
     ``(task, start, end)`` list: a timeline predicted from measured task times."""
     p = len(orders)
     if p == 0:

@@ -2,8 +2,8 @@
 
 A *stage* is a function ``fn(params, x) -> y`` with its variables, pinned to one device (the
 layers of one part of a split, ``accel.parallel.partition``). ``run_schedule`` executes any
-schedule in the format of ``accel.parallel.pipeline`` (GPipe, 1F1B, interleaved 1F1B or your
-own), after checking it with ``validate_schedule``. The stages' devices say where each runs:
+schedule in the format of ``accel.parallel.pipeline`` (GPipe, 1F1B, interleaved 1F1B, ZB-H1 or
+your own), after checking it with ``validate_schedule``. The stages' devices say where each runs:
 ``p`` different devices for ``p`` stages, or, for virtual stages (interleaved 1F1B), the ``p``
 devices repeated, stage ``s`` on the device of stage ``s % p`` (``[d0, d1, d0, d1]``):
 
@@ -14,6 +14,24 @@ devices repeated, stage ``s`` on the device of stage ``s % p`` (``[d0, d1, d0, d
   (its activations are *stashed*) until the backward of ``i`` on ``s`` consumes it; with
   ``recompute=True`` only the stage's input is kept and the forward is run again during the
   backward (GPipe's rematerialisation);
+* in a schedule with W tasks (ZB-H1) the backward is split in two, as Qi et al. 2023
+  (arXiv:2401.10241, section 2) split it: B computes only the gradient with respect to the
+  stage's inputs (what the previous stage waits for) and keeps the tape and the output
+  gradients it was seeded with; W, later, computes the parameters' gradients from the same
+  seeds, and only then is the stash released. TensorFlow has no switch for half a backward,
+  and a ``tape.gradient`` call computes an op input's gradient whenever that input is on the
+  tape, asked for or not (``ComputeGradient`` in ``tensorflow/c/eager/tape.h``): a tape that
+  recorded the weights would compute their gradients in B too. So the forward runs under two
+  tapes, one watching only the stage's inputs (B's) and one only its parameters (W's): B then
+  runs the chain of input gradients alone, and W the weight gradients plus that chain again,
+  down to the stage's first layer (for Dense layers about 1.5 backwards in all, not 1;
+  per-layer tapes, each seeded with its layer's output gradient, would avoid the repeat, but
+  a stage's ``fn`` does not expose its layers). A traced stage (``Stage.traced``, the Keras
+  form) records one function call, whose backward computes every input's gradient at each
+  call: there B and W each cost about a whole backward. The split buys the order (B early, W
+  in the bubbles), not less arithmetic. On stage 0, whose input needs no gradient, B computes
+  nothing and W does the stage's whole backward. With ``recompute=True`` the forward runs
+  again in B, under both tapes, and W's is kept until W;
 * the last stage adds the loss: each micro-batch's mean loss weighted by its share of the batch,
   so the sum of the micro-batch gradients is the gradient of the whole batch's mean loss;
 * every stage accumulates its parameters' gradients over the micro-batches; ``make_pipeline_step``
@@ -40,9 +58,11 @@ from accel.parallel import keras_model as km
 from accel.parallel.form import Form, device_list
 from accel.parallel.pipeline import (
     Task,
+    dependencies,
     device_orders,
     interval_idle_fractions,
     make_schedule,
+    splits_backward,
     validate_schedule,
 )
 from accel.training import make_update
@@ -162,8 +182,10 @@ def layer_stages(layers: Sequence, balance: Sequence[int], devices: Sequence[str
 class _Run:
     """Shared state of one run: finished-task events, activations, stashes, logs."""
 
-    def __init__(self, stages, micro, loss_fn, recompute, clock, loss_scale=None):
+    def __init__(self, stages, micro, loss_fn, recompute, clock, loss_scale=None,
+                 split=False):
         self.stages, self.micro, self.loss_fn = stages, micro, loss_fn
+        self.split = split  # the schedule has W tasks: B = input gradients, W = weights
         self.loss_scale = loss_scale
         rows = [int(tf.nest.flatten(m[0])[0].shape[0]) for m in micro]
         self.shares = [r / sum(rows) for r in rows]
@@ -183,12 +205,7 @@ class _Run:
         self.held, self.peak = [0] * p, [0] * p
 
     def wait(self, task: Task) -> None:
-        stage, mb, phase = task
-        deps = [(stage - 1, mb, "F")] if phase == "F" and stage > 0 else []
-        if phase == "B":
-            deps = [(stage, mb, "F")] + ([(stage + 1, mb, "B")]
-                                         if stage < len(self.stages) - 1 else [])
-        for dep in deps:
+        for dep in dependencies(task, len(self.stages)):
             while not self.done[dep].wait(0.05):
                 if self.error is not None:
                     raise RuntimeError("another stage failed")
@@ -204,10 +221,7 @@ class _Run:
                 out, extra = self._stage_out(s, i, x)
                 self.stash[(s, i)] = (x,)
             else:
-                with tf.GradientTape() as tape:
-                    if s > 0:  # stage 0 needs no gradient of its input (maybe token ids)
-                        tape.watch(km.float_tensors(tf.nest.flatten(x)))
-                    out, extra = self._stage_out(s, i, x)
+                tape, out, extra = self._taped(s, i, x)
                 self.stash[(s, i)] = (x, tape, out, extra)
         if extra is not None:
             self.added[(s, i)] = extra
@@ -227,21 +241,41 @@ class _Run:
         return self.stages[s].output_fn(self.loss_fn if last else None, input_grads=s > 0)(
             x, self.micro[i][1] if last else None, share)
 
+    def _taped(self, s: int, i: int, x):
+        """``(tape, output, added)``: stage ``s``'s forward on micro-batch ``i`` under a tape
+        that watches its float inputs (none on stage 0, whose input needs no gradient: maybe
+        token ids) and its variables. Where the backward is split, ``tape`` is a pair: one
+        tape watching only the inputs (B's), one only the parameters (W's)."""
+        inputs = km.float_tensors(tf.nest.flatten(x)) if s > 0 else []
+        if not self.split:
+            with tf.GradientTape() as tape:
+                tape.watch(inputs)
+                out, extra = self._stage_out(s, i, x)
+            return tape, out, extra
+        with tf.GradientTape(watch_accessed_variables=False) as of_inputs, \
+                tf.GradientTape(watch_accessed_variables=False) as of_weights:
+            of_inputs.watch(inputs)
+            # a Keras variable is watched through the tf.Variable it wraps (as its ``handle``)
+            of_weights.watch([v if isinstance(v, tf.Variable) else v.value
+                              for v in self.stages[s].params])
+            out, extra = self._stage_out(s, i, x)
+        return (of_inputs, of_weights), out, extra
+
     def backward(self, s: int, i: int) -> None:
+        """B: the gradients of the stage's inputs (sent to stage ``s - 1``) and, unless the
+        schedule has W tasks, of its parameters too (accumulated); with W tasks the tape and
+        the seeds stay stashed for ``weights``."""
         stage, last = self.stages[s], s == len(self.stages) - 1
         saved = self.stash.pop((s, i))
         with tf.device(stage.device):
             if self.recompute:  # run the forward again, now under a tape
                 x = saved[0]
-                with tf.GradientTape() as tape:
-                    if s > 0:
-                        tape.watch(km.float_tensors(tf.nest.flatten(x)))
-                    out, extra = self._stage_out(s, i, x)
+                tape, out, extra = self._taped(s, i, x)
             else:
                 x, tape, out, extra = saved
             # stage 0 needs no gradient of its input; the others, of each float tensor received
             inputs = [] if s == 0 else km.float_tensors(tf.nest.flatten(x))
-            sources = [*inputs, *stage.params]
+            sources = inputs if self.split else [*inputs, *stage.params]
             seed = None  # the loss's own gradient: 1, or the loss scale (fit scales the loss)
             if self.loss_scale is not None and (last or extra is not None):
                 seed = tf.cast(self.loss_scale, (out if last else extra).dtype)
@@ -253,11 +287,27 @@ class _Run:
             if extra is not None:  # the stage's own loss terms join the gradient
                 targets, seeds = targets + [extra], seeds + [
                     tf.ones_like(extra) if seed is None else seed]
-            grads = tape.gradient(targets, sources,
-                                  output_gradients=None if seeds == [None] else seeds,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            if self.split:
+                tape, of_weights = tape
+            grads = _gradient(tape, targets, seeds, sources) if sources else []
         if s > 0:
             self.input_grads[(s, i)], grads = list(grads[:len(inputs)]), grads[len(inputs):]
+        if self.split:
+            self.stash[(s, i)] = (of_weights, targets, seeds)
+        else:
+            self._accumulate(s, grads)
+
+    def weights(self, s: int, i: int) -> None:
+        """W: the parameters' gradients of stage ``s`` on micro-batch ``i``, from the weights'
+        tape and the output gradients its B kept; the stash is released here."""
+        tape, targets, seeds = self.stash.pop((s, i))
+        with tf.device(self.stages[s].device):
+            grads = _gradient(tape, targets, seeds, self.stages[s].params)
+        del tape
+        self._accumulate(s, grads)
+
+    def _accumulate(self, s: int, grads) -> None:
+        """Add a micro-batch's parameter gradients to stage ``s``'s sum; one stash fewer."""
         acc = self.grads[s]
         # an embedding's IndexedSlices accumulate as slices (every micro-batch's rows)
         self.grads[s] = list(grads) if acc is None else [km.merge_gradients([a, g]) for a, g in
@@ -271,7 +321,8 @@ class _Run:
             for task in order:
                 self.wait(task)
                 start = self.clock()
-                (self.forward if task[2] == "F" else self.backward)(task[0], task[1])
+                {"F": self.forward, "B": self.backward, "W": self.weights}[task[2]](
+                    task[0], task[1])
                 self.log[d].append((task, start, self.clock()))
                 self.done[task].set()
         except BaseException as exc:  # handed to the caller
@@ -280,6 +331,13 @@ class _Run:
                     self.error = exc
                     where = "" if task is None else f"stage {task[0]} "
                     exc.add_note(f"raised by pipeline {where}on {self.stages[d].device}")
+
+
+def _gradient(tape, targets, seeds, sources) -> list:
+    """``d targets / d sources``, ``targets`` seeded with ``seeds`` (``[None]``: the loss's own
+    gradient, 1); sources that ``targets`` do not reach get zeros."""
+    return tape.gradient(targets, sources, output_gradients=None if seeds == [None] else seeds,
+                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
 def stage_devices(stages: Sequence[Stage]) -> list[str]:
@@ -303,7 +361,8 @@ def run_schedule(stages: Sequence[Stage], schedule, x, y, loss_fn: Callable,
                  loss_scale=None) -> PipelineRun:
     """Run one forward and backward pass of the batch ``(x, y)`` through ``stages`` in the
     order of ``schedule``; return the loss, the accumulated gradients and the logs (see the
-    module docstring). ``loss_fn(y_true, y_pred)`` returns per-example losses. ``loss_scale``:
+    module docstring; a schedule with W tasks splits each backward into B and W there).
+    ``loss_fn(y_true, y_pred)`` returns per-example losses. ``loss_scale``:
     a factor the gradients are multiplied by (a ``LossScaleOptimizer``'s scale,
     ``keras_model.loss_scale``); the loss returned is not scaled."""
     stages = list(stages)
@@ -312,7 +371,7 @@ def run_schedule(stages: Sequence[Stage], schedule, x, y, loss_fn: Callable,
     num_devices = len(stage_devices(stages))
     validate_schedule(schedule, len(stages), num_microbatches, num_devices)
     run = _Run(stages, split_microbatches(x, y, num_microbatches), loss_fn, recompute, clock,
-               loss_scale)
+               loss_scale, split=splits_backward(schedule))
     orders = device_orders(schedule, num_devices)
     run.done = {task: threading.Event() for order in orders for task in order}
     threads = [threading.Thread(target=run.device_loop, args=(d, order), daemon=True,
@@ -368,7 +427,7 @@ def measured_idle_fractions(run: PipelineRun) -> list[float]:
 
 
 class Pipeline(Form):
-    """A Keras ``Sequential`` trained as a pipeline: GPipe, 1F1B or interleaved 1F1B.
+    """A Keras ``Sequential`` trained as a pipeline: GPipe, 1F1B, interleaved 1F1B or ZB-H1.
 
     ``Pipeline(model, devices, loss=..., optimizer=..., num_microbatches=m)`` cuts the model's
     layers into ``p * v`` consecutive stages (``p = len(devices)``, ``v = num_chunks``; stage
@@ -379,8 +438,9 @@ class Pipeline(Form):
     updates all stages once per batch, its slots next to their variables.
 
     * ``run_step(x, y) -> PipelineRun``: one batch, split into ``m`` micro-batches, run in the
-      order of ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``: see
-      ``accel.parallel.pipeline``), then one update; the run (loss, gradients, each device's
+      order of ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``: see
+      ``accel.parallel.pipeline``; ZB-H1 splits each backward into B and W, as
+      ``run_schedule`` says), then one update; the run (loss, gradients, each device's
       log of tasks) is also kept as ``last_run``. The user's model is not touched.
     * ``train_step``, ``fit`` (Keras's habits; batches a multiple of ``num_microbatches``) and
       ``write_back``: ``accel.parallel.form.Form``'s.

@@ -3,6 +3,7 @@ stash counts, validation. Pure Python: no TensorFlow is imported by the module."
 
 import pytest
 
+from accel.costmodel.pipeline import stash_microbatches
 from accel.parallel import pipeline as pl
 from accel.procs import run_python
 
@@ -205,3 +206,87 @@ def test_make_schedule_by_name():
         pl.make_schedule("zigzag", 4, 2)
     with pytest.raises(ValueError, match="num_chunks=2 needs the 'interleaved' schedule"):
         pl.make_schedule("1f1b", 4, 2, 2)
+
+
+# ---------------------------------------------------------------------- ZB-H1 (B and W split)
+# Qi et al. 2023 (arXiv:2401.10241), Figure 3 top: p = 4 workers, m = 8 micro-batches, F, B
+# (input gradient) and W (weight gradient) one tick each; micro-batches counted from 0 here.
+# Written out by hand, one row per stage and one column per tick, "." where the stage idles.
+ZB_H1_8_4 = [
+    "F0 F1 F2 F3 .  .  .  B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7",
+    ".  F0 F1 F2 .  .  B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7",
+    ".  .  F0 F1 .  B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7",
+    ".  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7",
+]
+
+# p = 2, m = 2 by hand: stage 1's B0 needs only F0 (the last stage), stage 0's B0 only stage
+# 1's B0 (not its W0): 7 ticks, 2 of 14 device-ticks idle = (p-1)/(3m+p-1) = 1/7.
+ZB_H1_2_2 = [
+    [(0, 0, "F")],
+    [(0, 1, "F"), (1, 0, "F")],
+    [(1, 0, "B")],
+    [(0, 0, "B"), (1, 1, "F")],
+    [(0, 0, "W"), (1, 1, "B")],
+    [(0, 1, "B"), (1, 0, "W")],
+    [(0, 1, "W"), (1, 1, "W")],
+]
+
+
+def test_zb_h1_against_the_paper_figure():
+    schedule = pl.zb_h1_schedule(8, 4)
+    rows = [line.split()[2:] for line in pl.format_schedule(schedule, 4).splitlines()[1:]]
+    assert rows == [row.split() for row in ZB_H1_8_4]
+    assert pl.zb_h1_orders(8, 4) == [[(j, int(c[1:]), c[0]) for c in row.split() if c != "."]
+                                     for j, row in enumerate(ZB_H1_8_4)]
+    assert pl.stage_orders(schedule, 4) == pl.zb_h1_orders(8, 4)
+    assert as_sets(pl.zb_h1_schedule(2, 2)) == as_sets(ZB_H1_2_2)
+    assert pl.make_schedule("zb-h1", 8, 4) == schedule
+
+
+@pytest.mark.parametrize("m, p", [(2, 2), (4, 2), (8, 4), (3, 3), (16, 4), (5, 3)])
+def test_zb_h1_bubble_is_a_third_of_1f1b_with_its_peak_stash(m, p):
+    """Unit ticks: 3m + p - 1 ticks, idle (p-1)/(3m+p-1); the bubble, p - 1 ticks per stage,
+    is a third of 1F1B's on the same clock (1F1B's backward = B + W, two ticks: simulated).
+    Every stage holds p micro-batches at its peak, 1F1B's first stage's peak."""
+    schedule = pl.zb_h1_schedule(m, p)
+    pl.validate_schedule(schedule, p, m)
+    assert len(schedule) == 3 * m + p - 1
+    assert pl.idle_fraction(schedule, p) == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert pl.bubble_fraction(m, p, schedule="zb-h1") == pytest.approx((p - 1) / (3 * m + p - 1))
+    one_f_one_b = pl.simulate(pl.one_f_one_b_orders(m, p),
+                              lambda task: 2.0 if task[2] == "B" else 1.0)
+    span = max(e for log in one_f_one_b for *_, e in log)
+    assert span - 3 * m == 3 * (p - 1)  # 1F1B's bubble, per stage: three times ZB-H1's
+    assert pl.peak_in_flight(schedule, p) == [p] * p
+    assert max(pl.peak_in_flight(pl.one_f_one_b_schedule(m, p), p)) == p
+    assert stash_microbatches("zb-h1", m, p) == stash_microbatches("1f1b", m, p) == p
+    # simulate with unit times is the clock; with per-phase times (W cheaper), every task runs
+    logs = pl.simulate(pl.zb_h1_orders(m, p), lambda task: 1.0)
+    when = {task: t for t, tasks in enumerate(schedule) for task in tasks}
+    assert all(start == when[task] for log in logs for task, start, _ in log)
+    logs = pl.simulate(pl.zb_h1_orders(m, p), lambda t: {"F": 1.0, "B": 1.0, "W": 0.5}[t[2]])
+    assert [len(log) for log in logs] == [3 * m] * p
+
+
+def test_w_tasks_in_validation_dependencies_and_text():
+    assert pl.dependencies((1, 2, "W"), 3) == [(1, 2, "B")]
+    assert pl.dependencies((1, 2, "B"), 3) == [(1, 2, "F"), (2, 2, "B")]  # B, not W, of stage 2
+    assert pl.splits_backward(ZB_H1_2_2) and not pl.splits_backward(ONE_F_ONE_B_4_2)
+    without_w1 = [[t for t in tick if t != (1, 1, "W")] for tick in ZB_H1_2_2]
+    with pytest.raises(ValueError, match=r"the schedule drops task \(1, 1, 'W'\)"):
+        pl.validate_schedule(without_w1, 2, 2)
+    early_w = [[(0, 0, "F")], [(0, 0, "W")], [(0, 0, "B")]]
+    with pytest.raises(ValueError, match=r"task \(0, 0, 'W'\) at tick 1 runs before "
+                                         r"\(0, 0, 'B'\)"):
+        pl.validate_schedule(early_w, 1, 1)
+    with pytest.raises(ValueError, match="the stage orders deadlock at tick 1"):
+        pl.clock_schedule([[(0, 0, "F"), (0, 0, "W"), (0, 0, "B")]])
+    # a micro-batch is held until its W: stage 0 of ZB-H1 (2, 2) holds both at tick 2
+    assert pl.peak_in_flight(ZB_H1_2_2, 2) == [2, 2]
+    assert pl.format_schedule(ZB_H1_2_2, 2).splitlines()[1].split()[2:] == [
+        "F0", "F1", ".", "B0", "W0", "B1", "W1"]
+    with pytest.raises(ValueError, match="the ZB-H1 formula holds for one chunk and "
+                                         "num_microbatches >= num_stages"):
+        pl.bubble_fraction(2, 4, schedule="zb-h1")
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        pl.bubble_fraction(2, 4, schedule="zb-h2")

@@ -171,3 +171,61 @@ def test_more_stages_than_layers_or_devices(four_devices):
         dense_stages(four_devices, [2, 2, 1], params)
     with pytest.raises(ValueError, match="cannot split 4 layers into 5 parts"):
         partition.balance_by_count(4, 5)
+
+
+# ---------------------------------------------------------------------- ZB-H1: B and W split
+def assert_w_after_b(run):
+    """Every W task started after its own B ended, on the device that ran both."""
+    end = {task: e for log in run.log for task, _, e in log}
+    ws = [(task, start) for log in run.log for task, start, _ in log if task[2] == "W"]
+    assert ws and all(start >= end[(s, i, "B")] for (s, i, _), start in ws)
+
+
+@pytest.mark.parametrize("p, m, recompute", [(2, 4, False), (2, 4, True), (4, 8, False)])
+def test_zb_h1_equals_single_device(p, m, recompute, batch, four_devices):
+    """B (input gradients) and W (weight gradients) as separate tasks: the loss and every
+    gradient equal one device's; each device ran the schedule's order, W after its B; each
+    stage held p micro-batches at its peak (released at W)."""
+    params = models.mlp_init(SIZES, seed=6)
+    schedule = pl.zb_h1_schedule(m, p)
+    stages = dense_stages(four_devices[:p], partition.balance_by_count(4, p), params)
+    run = pe.run_schedule(stages, schedule, *batch, squared_error, m, recompute=recompute)
+    loss, grads, _ = single_device(params, *batch)
+    assert_close(run.loss, loss)
+    for got, want in zip([g for stage in run.grads for g in stage], grads, strict=True):
+        assert_close(got.numpy(), want)
+    assert run.orders() == pl.stage_orders(schedule, p)
+    assert_w_after_b(run)
+    assert run.peak_stash == pl.peak_in_flight(schedule, p) == [p] * p
+
+
+def test_zb_h1_steps_and_keras_form_equal_one_device(batch, four_devices, keras_zoo):
+    """make_pipeline_step with ZB-H1 for three SGD steps, and the Keras form
+    ``Pipeline(..., schedule="zb-h1")`` for three Adam steps against Keras's ``fit``."""
+    params = models.mlp_init(SIZES, seed=7)
+    stages = dense_stages(four_devices[:2], [2, 2], params)
+    step = pe.make_pipeline_step(stages, squared_error, LR, pl.zb_h1_schedule(4, 2), 4)
+    for _ in range(3):
+        step(*batch)
+    _, _, weights = single_device(params, *batch, steps=3)
+    for got, want in zip([v.numpy() for st in stages for v in st.params], weights, strict=True):
+        assert_close(got, want)
+
+    z = keras_zoo
+    model = z.MODELS["mlp"]()
+    x, y = z.data_for(model)
+    ref, _ = z.keras_fit(model, z.OPTIMIZERS["adam"](), x, y)
+    pipe = pe.Pipeline(model, four_devices[:2], loss="mse", optimizer=z.OPTIMIZERS["adam"](),
+                       num_microbatches=4, schedule="zb-h1")
+    loss0, grads0 = z.first_gradients(model, x, y)
+    run = pipe.run_step(x[:z.BATCH], y[:z.BATCH])
+    z.assert_close(run.loss, loss0, "first loss")
+    z.assert_close(z.flat(sum(run.grads, [])), z.flat(grads0), "first gradients")
+    assert run.orders() == pl.device_orders(pl.zb_h1_schedule(4, 2), 2)
+    assert_w_after_b(run)
+    for k in range(1, z.STEPS):
+        pipe.run_step(x[k * z.BATCH:(k + 1) * z.BATCH], y[k * z.BATCH:(k + 1) * z.BATCH])
+    pipe.write_back()
+    scale = max(np.abs(w).max() for w in ref.get_weights())
+    for i, (a, b) in enumerate(zip(model.get_weights(), ref.get_weights(), strict=True)):
+        z.assert_close(a, b, f"weight {i} after {z.STEPS} steps", scale)
