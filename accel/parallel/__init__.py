@@ -25,12 +25,16 @@
 - ``accel.parallel.forms``: every Keras form by name (``FORMS``, ``make_form``);
 - ``accel.parallel.replicas`` (15): ``KerasReplicas``, a Keras model run by several devices on
   their shards, the base of ``Zero``, ``Offload`` and ``Accumulating``;
-- ``accel.parallel.pipeline`` (10): pipeline schedules (GPipe, 1F1B, interleaved 1F1B) as plain
-  data, no TensorFlow;
+- ``accel.parallel.pipeline`` (10): pipeline schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1
+  with the backward split into input-gradient and weight-gradient tasks) as plain data, no
+  TensorFlow;
 - ``accel.parallel.pipeline_exec`` (10): running any such schedule on TensorFlow devices;
   ``Pipeline``, a Keras ``Sequential`` trained that way;
 - ``accel.parallel.megatron`` (11): tensor parallelism by hand: column- and row-parallel dense
-  layers, Megatron's f and g, the MLP and a transformer block with its heads split;
+  layers, Megatron's f and g, the MLP and a transformer block with its heads split, and with
+  sequence parallelism (the activations between the regions split along the sequence);
+- ``accel.parallel.context`` (11): context parallelism: attention over a sequence split across
+  devices, by a ring of K/V blocks, an all-gather of K/V, or Ulysses's all-to-all over heads;
 - ``accel.parallel.tensor`` (11): the same as Keras layers (``ColumnParallelDense``,
   ``RowParallelDense``, ``HeadParallelAttention``) and ``TensorParallel``, which converts a Keras
   model's layers by patterns on their paths;

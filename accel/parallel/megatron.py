@@ -17,7 +17,36 @@ added by g), ``tp_mlp`` (column then row: one all-reduce forward, one backward) 
 (a pre-LayerNorm transformer block, heads split: two all-reduces forward, two backward). The
 single-device references are ``mlp`` and ``block``; ``shard`` / ``unshard`` split a parameter
 dict and put it back together. Every device's compute runs through
-``accel.collectives.on_device``, so its backward stays on that device too.
+``accel.collectives.on_device``, so its backward stays on that device too. The all-reduces are
+``accel.collectives.all_reduce`` with a chosen ``algorithm`` ("direct" by default: each device
+sends its whole partial sum to each of the others; "ring": a reduce-scatter then an all-gather).
+
+Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", arXiv:2205.05198, section 4.2.2 and Figure 5): ``tp_mlp`` and ``tp_block``
+with ``sequence_parallel=True`` keep the activations *between* the tensor-parallel regions (the
+LayerNorms, the residual additions, the biases ``bo`` and ``b2``) split along the sequence axis
+(``SEQ_AXIS``), device i holding its ``seq / n`` positions, instead of replicated. The paper's
+operators replace f and g at the edges of each region:
+
+* ``gather_sequence`` (the paper's g): all-gather along the sequence forward, reduce-scatter
+  backward (entering a region);
+* ``scatter_sequence`` (the paper's g-bar): reduce-scatter along the sequence forward, all-gather
+  backward (leaving a region: it adds the partial sums and splits the result).
+
+(That paper calls the tensor-parallel operators f and f-bar; this module keeps the 2019 paper's
+f and g for ``copy_to_shards`` and ``reduce_from_shards``.)
+
+An all-reduce is a reduce-scatter followed by an all-gather (the ring does exactly that), so the
+bytes sent equal those of the ring all-reduce version (``bytes_per_phase`` counts both), while
+the activations between the regions take ``1 / n`` of the memory (``region_activation_bytes``
+counts them from the placed tensors). Every device now sees only its own positions in the
+sequence-parallel regions, so the gradients of the replicated parameters used there (the
+LayerNorms, ``bo``, ``b2``) are partial on each device; they are added across the devices by an
+all-reduce in the backward pass (here: the parameters enter through f, ``copy_to_shards``), as
+Megatron-LM all-reduces them (``megatron/core/distributed/finalize_model_grads.py``,
+``_allreduce_layernorm_grads``, "for sequence parallelism"). Not modelled: Megatron stores the
+sequence shard of the all-gathered input of a column-parallel layer and gathers it again in the
+backward pass (the paper, section 4.2.2); here the gradient tape keeps the gathered tensor.
 """
 
 from __future__ import annotations
@@ -29,18 +58,24 @@ import tensorflow as tf
 
 from accel import checks
 from accel.collectives import (
+    all_gather,
+    all_gather_bytes,
     all_reduce,
     all_reduce_bytes,
     check_tensors,
     collective_op,
     on_device,
     place,
+    reduce_scatter,
+    reduce_scatter_bytes,
 )
 
-__all__ = ["SPLIT_AXES", "init_block", "mlp", "block", "layer_norm", "attention", "shard",
-           "unshard", "to_variables", "copy_to_shards", "reduce_from_shards",
-           "gather_from_shards", "column_parallel_dense", "row_parallel_dense", "tp_mlp",
-           "tp_block", "all_reduces_per_step", "bytes_per_step"]
+__all__ = ["SPLIT_AXES", "SEQ_AXIS", "REGION_TENSORS", "init_block", "mlp", "block",
+           "layer_norm", "attention", "shard", "unshard", "to_variables", "copy_to_shards",
+           "reduce_from_shards", "gather_from_shards", "gather_sequence", "scatter_sequence",
+           "column_parallel_dense", "row_parallel_dense", "tp_mlp", "tp_block",
+           "region_activation_bytes", "all_reduces_per_step", "bytes_per_phase",
+           "bytes_per_step"]
 
 # how each parameter is split: axis of the split, or None = replicated on every device
 SPLIT_AXES: dict[str, int | None] = {
@@ -49,6 +84,14 @@ SPLIT_AXES: dict[str, int | None] = {
     "wo": 0, "bo": None,                                    # row-parallel
     "w1": 1, "b1": 0, "w2": 0, "b2": None,                  # the MLP: column then row
 }
+# the sequence axis of the activations ([batch, seq, hidden]) that sequence parallelism splits
+SEQ_AXIS = 1
+# the replicated parameters used between the tensor-parallel regions (partial gradients under
+# sequence parallelism), by where they are used
+_BLOCK_REPLICATED = ("ln1_g", "ln1_b", "bo", "ln2_g", "ln2_b")
+_MLP_REPLICATED = ("b2",)
+# the activations a device holds between the tensor-parallel regions of ``tp_block``
+REGION_TENSORS = ("x", "ln1", "attn", "h", "ln2", "mlp", "out")
 
 
 def init_block(hidden: int, heads: int, ffn: int | None = None, seed: int = 0,
@@ -153,18 +196,58 @@ def to_variables(shards: Sequence[Mapping], devices: Sequence[str]) -> list[dict
     return out
 
 
-def copy_to_shards(xs: Sequence, devices: Sequence[str]) -> list:
-    """Megatron's f: identity forward; all-reduce of the gradients backward."""
+def copy_to_shards(xs: Sequence, devices: Sequence[str], algorithm: str = "direct") -> list:
+    """Megatron's f: identity forward; all-reduce of the gradients backward (by ``algorithm``,
+    one of ``accel.collectives.ALGORITHMS``)."""
     xs = check_tensors(xs, devices)
     return collective_op("CopyToShards", xs, devices, lambda t: place(list(t), devices),
-                         lambda dys: all_reduce(dys, devices))
+                         lambda dys: all_reduce(dys, devices, algorithm))
 
 
-def reduce_from_shards(partials: Sequence, devices: Sequence[str]) -> list:
-    """Megatron's g: all-reduce forward; identity backward."""
+def reduce_from_shards(partials: Sequence, devices: Sequence[str],
+                       algorithm: str = "direct") -> list:
+    """Megatron's g: all-reduce forward (by ``algorithm``); identity backward."""
     partials = check_tensors(partials, devices)
     return collective_op("ReduceFromShards", partials, devices,
-                         lambda t: all_reduce(t, devices), lambda dys: place(list(dys), devices))
+                         lambda t: all_reduce(t, devices, algorithm),
+                         lambda dys: place(list(dys), devices))
+
+
+def gather_sequence(xs: Sequence, devices: Sequence[str]) -> list:
+    """Sequence parallelism's g (Korthikanti et al. 2022, section 4.2.2): each device's
+    sequence shard ``[batch, seq / n, hidden]`` all-gathered along ``SEQ_AXIS`` forward, so every
+    device holds the whole sequence; backward, a reduce-scatter (the devices' partial gradients
+    added, each device keeping its own positions). ``accel.collectives.all_gather``."""
+    return all_gather(xs, devices, SEQ_AXIS)
+
+
+def scatter_sequence(partials: Sequence, devices: Sequence[str]) -> list:
+    """Sequence parallelism's g-bar (section 4.2.2): the partial sums ``[batch, seq, hidden]``
+    added and split along ``SEQ_AXIS`` (a reduce-scatter) forward; backward, an all-gather.
+    ``accel.collectives.reduce_scatter``."""
+    return reduce_scatter(partials, devices, SEQ_AXIS)
+
+
+def _edges(devices, sequence_parallel: bool, algorithm: str):
+    """The operators entering and leaving a tensor-parallel region: (f, g) or, with sequence
+    parallelism, (g, g-bar) of Korthikanti et al."""
+    if sequence_parallel:
+        return (lambda xs: gather_sequence(xs, devices),
+                lambda ps: scatter_sequence(ps, devices))
+    return (lambda xs: copy_to_shards(xs, devices, algorithm),
+            lambda ps: reduce_from_shards(ps, devices, algorithm))
+
+
+def _replicated(shards, names, devices, sequence_parallel: bool, algorithm: str) -> list[dict]:
+    """The replicated parameters ``names`` as tensors on each device; with sequence parallelism
+    they pass through f, so that their gradients (partial: each device saw its own positions)
+    are all-reduced in the backward pass."""
+    per_name = {}
+    for name in names:
+        values = place([s[name] for s in shards], devices)
+        per_name[name] = (copy_to_shards(values, devices, algorithm) if sequence_parallel
+                          else values)
+    return [{name: per_name[name][i] for name in names} for i in range(len(devices))]
 
 
 def gather_from_shards(parts: Sequence, devices: Sequence[str]) -> list:
@@ -212,45 +295,88 @@ def row_parallel_dense(x_parts: Sequence, ws: Sequence, b, devices: Sequence[str
                                                                           strict=True)]
 
 
-def tp_mlp(shards: Sequence[Mapping], xs: Sequence, devices: Sequence[str]) -> list:
-    """The Megatron MLP: f, ``gelu(x @ w1_i + b1_i) @ w2_i`` on device i, g, ``+ b2``."""
+def tp_mlp(shards: Sequence[Mapping], xs: Sequence, devices: Sequence[str],
+           sequence_parallel: bool = False, algorithm: str = "direct") -> list:
+    """The Megatron MLP: f, ``gelu(x @ w1_i + b1_i) @ w2_i`` on device i, g, ``+ b2``.
+
+    With ``sequence_parallel``, ``xs[i]`` is device i's sequence shard ``[batch, seq / n,
+    hidden]`` (the sequence split in ``n`` consecutive pieces) and so is the result: g and g-bar
+    (``gather_sequence``, ``scatter_sequence``) take the places of f and g, and ``b2``'s gradient
+    is all-reduced. ``algorithm`` is the all-reduce's (``accel.collectives.ALGORITHMS``)."""
     _check_shards(shards, devices, ["w1", "b1", "w2"])
-    xs = copy_to_shards(xs, devices)
+    enter, leave = _edges(devices, sequence_parallel, algorithm)
+    reps = _replicated(shards, _MLP_REPLICATED, devices, sequence_parallel, algorithm)
+    xs = enter(xs)
     partial = [on_device(lambda x, p=p: tf.matmul(tf.nn.gelu(tf.matmul(x, p["w1"]) + p["b1"]),
                                                   p["w2"]), d, x)
                for x, p, d in zip(xs, shards, devices, strict=True)]
-    ys = reduce_from_shards(partial, devices)
-    return [on_device(lambda y, p=p: y + p["b2"], d, y) for y, p, d in zip(ys, shards, devices,
-                                                                            strict=True)]
+    ys = leave(partial)
+    return [on_device(lambda y, b: y + b, d, y, r["b2"])
+            for y, r, d in zip(ys, reps, devices, strict=True)]
 
 
-def tp_block(shards: Sequence[Mapping], xs: Sequence, devices: Sequence[str],
-             heads: int) -> list:
-    """``block`` with the heads split: device i holds ``heads / n`` heads (its columns of
-    ``wq, wk, wv``, its rows of ``wo``) and its slice of the MLP; LayerNorms, ``bo`` and ``b2``
-    are replicated. Two all-reduces forward (after attention, after the MLP), two backward."""
+def _block(shards, xs, devices, heads, sequence_parallel, algorithm):
+    """``tp_block``'s forward pass; also returns, per device, the tensors it holds between the
+    tensor-parallel regions (``REGION_TENSORS``)."""
     n = len(devices)
     if checks.positive_int("heads", heads) % n:
         raise ValueError(f"heads={heads} is not divisible by n={n} devices")
     _check_shards(shards, devices, list(SPLIT_AXES))
+    enter, leave = _edges(devices, sequence_parallel, algorithm)
+    reps = _replicated(shards, _BLOCK_REPLICATED, devices, sequence_parallel, algorithm)
     # each tensor is used once outside on_device: a tensor used twice gets its gradients
     # summed by the tape on the default device, so every fork happens inside one on_device
-    xus = [on_device(lambda x, p=p: [tf.identity(x), layer_norm(x, p["ln1_g"], p["ln1_b"])],
-                     d, x) for x, p, d in zip(xs, shards, devices, strict=True)]
-    us = copy_to_shards([u for _, u in xus], devices)
+    xus = [on_device(lambda x, g, b: [tf.identity(x), layer_norm(x, g, b)], d, x,
+                     r["ln1_g"], r["ln1_b"]) for x, r, d in zip(xs, reps, devices, strict=True)]
+    us = enter([u for _, u in xus])
     partial = [on_device(lambda u, p=p: attention(p, u, heads // n), d, u)
                for u, p, d in zip(us, shards, devices, strict=True)]
-    att = reduce_from_shards(partial, devices)
+    att = leave(partial)
 
-    def residual_and_norm(x, a, p):
-        h = x + a + p["bo"]
-        return [h, layer_norm(h, p["ln2_g"], p["ln2_b"])]
+    def residual_and_norm(x, a, bo, g, b):
+        h = x + a + bo
+        return [h, layer_norm(h, g, b)]
 
-    hvs = [on_device(lambda x, a, p=p: residual_and_norm(x, a, p), d, xu[0], a)
-           for xu, a, p, d in zip(xus, att, shards, devices, strict=True)]
-    ms = tp_mlp(shards, [v for _, v in hvs], devices)
-    return [on_device(lambda h, m: h + m, d, hv[0], m) for hv, m, d in zip(hvs, ms, devices,
+    hvs = [on_device(residual_and_norm, d, xu[0], a, r["bo"], r["ln2_g"], r["ln2_b"])
+           for xu, a, r, d in zip(xus, att, reps, devices, strict=True)]
+    ms = tp_mlp(shards, [v for _, v in hvs], devices, sequence_parallel, algorithm)
+    outs = [on_device(lambda h, m: h + m, d, hv[0], m) for hv, m, d in zip(hvs, ms, devices,
                                                                             strict=True)]
+    held = [dict(zip(REGION_TENSORS, (x, xu[1], a, hv[0], hv[1], m, o), strict=True))
+            for x, xu, a, hv, m, o in zip(xs, xus, att, hvs, ms, outs, strict=True)]
+    return outs, held
+
+
+def tp_block(shards: Sequence[Mapping], xs: Sequence, devices: Sequence[str],
+             heads: int, sequence_parallel: bool = False, algorithm: str = "direct") -> list:
+    """``block`` with the heads split: device i holds ``heads / n`` heads (its columns of
+    ``wq, wk, wv``, its rows of ``wo``) and its slice of the MLP; LayerNorms, ``bo`` and ``b2``
+    are replicated. Two all-reduces forward (after attention, after the MLP), two backward
+    (Shoeybi et al. 2019, section 3, Figure 4), by ``algorithm``.
+
+    With ``sequence_parallel`` (Korthikanti et al. 2022, section 4.2.2, Figure 5), ``xs[i]`` is
+    device i's sequence shard ``[batch, seq / n, hidden]`` and so is the result; each all-reduce
+    becomes a reduce-scatter (g-bar, leaving a region) and an all-gather (g, entering the next),
+    and the replicated parameters' gradients are all-reduced (see the module docstring)."""
+    return _block(shards, xs, devices, heads, sequence_parallel, algorithm)[0]
+
+
+def region_activation_bytes(shards: Sequence[Mapping], xs: Sequence, devices: Sequence[str],
+                            heads: int, sequence_parallel: bool = False) -> dict[str, dict]:
+    """Runs ``tp_block`` forward and counts, from the tensors it placed, the activation bytes
+    each device holds between the tensor-parallel regions: ``{device: {name: bytes}}`` for the
+    names in ``REGION_TENSORS`` (the block's input, LayerNorm 1's output, the attention's sum,
+    the residual ``h``, LayerNorm 2's output, the MLP's sum, the output), keyed by the device
+    each tensor is on. Replicated, each is ``batch x seq x hidden``; with sequence parallelism
+    ``batch x seq / n x hidden``: ``1 / n`` (Korthikanti et al. 2022, section 4.2.2: the
+    ``10 sbh`` of LayerNorm and dropout activations becomes ``10 sbh / t``)."""
+    _, held = _block(shards, xs, devices, heads, sequence_parallel, "direct")
+    out: dict[str, dict] = {}
+    for tensors in held:
+        for name, t in tensors.items():
+            per = out.setdefault(t.device, {})
+            per[name] = per.get(name, 0) + t.shape.num_elements() * t.dtype.size
+    return out
 
 
 def all_reduces_per_step(kind: str) -> dict[str, int]:
@@ -260,10 +386,48 @@ def all_reduces_per_step(kind: str) -> dict[str, int]:
     return {"forward": per, "backward": per}
 
 
+def bytes_per_phase(kind: str, activation_shape: Sequence[int], n: int, itemsize: int = 4,
+                    layers: int = 1, sequence_parallel: bool = False,
+                    algorithm: str = "direct") -> dict[str, int]:
+    """Bytes each device sends in the forward and the backward pass of a training step,
+    ``{"forward": ..., "backward": ...}``, for ``layers`` layers of ``kind`` ("mlp" or "block")
+    on ``n`` devices with activations of ``activation_shape`` ([batch, seq, hidden], the whole
+    sequence) and ``itemsize``-byte elements.
+
+    Tensor parallelism: ``all_reduces_per_step`` all-reduces (by ``algorithm``) of one
+    activation in each pass. Sequence parallelism: each all-reduce becomes an all-gather of the
+    ``seq / n`` shards and a reduce-scatter of the whole activation, ``2 (n - 1) / n`` of its
+    bytes, exactly the ring all-reduce's (a ring all-reduce *is* a reduce-scatter then an
+    all-gather); the backward pass also all-reduces (by ``algorithm``) the gradients of the
+    replicated parameters used between the regions: ``hidden`` elements for the MLP (``b2``),
+    ``6 hidden`` for the block (two LayerNorms' gains and biases, ``bo``, ``b2``)."""
+    checks.one_of("kind", kind, ("mlp", "block"))
+    layers, itemsize = checks.positive_int("layers", layers), checks.positive_int("itemsize",
+                                                                                  itemsize)
+    n = checks.positive_int("n", n)
+    shape = [checks.positive_int("activation_shape", s) for s in activation_shape]
+    nbytes = int(np.prod(shape)) * itemsize
+    per = all_reduces_per_step(kind)
+    if not sequence_parallel:
+        return {phase: layers * count * all_reduce_bytes(nbytes, n, algorithm)
+                for phase, count in per.items()}
+    if len(shape) != 3:
+        raise ValueError("with sequence parallelism activation_shape must be [batch, seq, "
+                         f"hidden], got {list(activation_shape)}")
+    if shape[SEQ_AXIS] % n:
+        raise ValueError(f"seq={shape[SEQ_AXIS]} is not divisible by n={n} devices")
+    pair = all_gather_bytes(nbytes // n, n) + reduce_scatter_bytes(nbytes, n)
+    params = len(_MLP_REPLICATED) + (len(_BLOCK_REPLICATED) if kind == "block" else 0)
+    grads = params * all_reduce_bytes(shape[-1] * itemsize, n, algorithm)
+    return {"forward": layers * per["forward"] * pair,
+            "backward": layers * (per["backward"] * pair + grads)}
+
+
 def bytes_per_step(kind: str, activation_shape: Sequence[int], n: int, itemsize: int = 4,
-                   layers: int = 1) -> int:
-    """Bytes each device sends per training step: all-reduces x the bytes of one all-reduce of
-    an activation (``activation_shape``, e.g. [batch, seq, hidden]) on ``n`` devices."""
-    count = sum(all_reduces_per_step(kind).values()) * checks.positive_int("layers", layers)
-    nbytes = int(np.prod(activation_shape)) * checks.positive_int("itemsize", itemsize)
-    return count * all_reduce_bytes(nbytes, checks.positive_int("n", n))
+                   layers: int = 1, sequence_parallel: bool = False,
+                   algorithm: str = "direct") -> int:
+    """Bytes each device sends per training step: ``bytes_per_phase``'s forward + backward
+    (without sequence parallelism: all-reduces x the bytes of one all-reduce of an activation,
+    e.g. [batch, seq, hidden], on ``n`` devices)."""
+    return sum(bytes_per_phase(kind, activation_shape, n, itemsize, layers, sequence_parallel,
+                               algorithm).values())
