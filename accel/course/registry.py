@@ -72,7 +72,6 @@ FIGURES: dict[str, str] = {
     "02_placement.png": "accel.course.diagrams:figure_placement",
     "10_schedules.png": "accel.course.pipeline:figure_schedules",
     "11_sequence_parallel.png": "accel.course.tensor_parallel:figure_sequence_parallel",
-    "11_tp_cost.png": "accel.course.tensor_parallel:figure_tp_cost",
     "13_alpha_beta.png": "accel.course.collectives:figure_alpha_beta",
     "17_planner_terms.png": "accel.course.planner:figure_terms",
     "15_zero_memory.png": "accel.course.zero:figure_zero_memory",

@@ -7,7 +7,7 @@ time, the bytes they send, the ``tensor-parallel`` benchmark and the chapter's f
   (input gradient included), counted in the graph that ran, next to the formula;
 * ``bytes_by_device(variables)``: the bytes each device holds, read from the variables;
 * ``bench(device_names, quick=False)``: ``python -m accel bench tensor-parallel``;
-* ``figure_sequence_parallel()`` and ``figure_tp_cost()``: the chapter's two diagrams;
+* ``figure_sequence_parallel()``: the chapter's diagram of sequence parallelism;
 * ``check_crossing_batch``, ``check_hidden_for_pcie``, ``check_keras_held``: the exercises.
 """
 
@@ -26,7 +26,7 @@ from accel.parallel import mesh as dmesh
 
 __all__ = ["MLP_KEYS", "params_for", "train_steps", "counted_bytes", "time_steps", "bench",
            "bytes_by_device", "check_crossing_batch", "check_hidden_for_pcie", "check_keras_held",
-           "figure_sequence_parallel", "figure_tp_cost", "mlp_layouts", "MEGATRON_SOURCE",
+           "figure_sequence_parallel", "mlp_layouts", "MEGATRON_SOURCE",
            "MEGATRON_WEAK_SCALING"]
 
 MLP_KEYS = ("w1", "b1", "w2", "b2")
@@ -133,26 +133,37 @@ def train_steps(device_names: Sequence[str], n: int, kind: str = "mlp", batch: i
 
 
 def counted_bytes(device_names: Sequence[str], n: int, kind: str = "mlp", batch: int = 8,
-                  seq: int = 64, hidden: int = 256, heads: int = 8) -> dict[str, int]:
+                  seq: int = 64, hidden: int = 256, heads: int = 8,
+                  sequence_parallel: bool = False, algorithm: str = "direct") -> dict[str, int]:
     """Bytes each device sent in one forward + backward of the tensor-parallel layer (with the
     input's gradient, as inside a stack), counted from the ``_Send`` nodes that ran, and the
-    formula ``tp.bytes_per_step``: ``{"counted_min", "counted_max", "formula"}``."""
+    formula ``tp.bytes_per_step``: ``{"counted_min", "counted_max", "formula"}``.
+
+    ``algorithm`` is the all-reduce's ("direct" or "ring", ``accel.collectives.ALGORITHMS``);
+    with ``sequence_parallel`` each device starts from its ``seq / n`` positions and the layer
+    runs with Korthikanti et al.'s all-gather / reduce-scatter (``tp.tp_mlp`` / ``tp.tp_block``
+    with ``sequence_parallel=True``)."""
     devs = list(device_names[:n])
     shards = tp.to_variables(tp.shard(params_for(kind, hidden, heads), n), devs)
-    xs = collectives.place(np.ones((batch, seq, hidden), np.float32), devs)
+    x = np.ones((batch, seq, hidden), np.float32)
+    if sequence_parallel and seq % n:
+        raise ValueError(f"seq={seq} is not divisible by n={n} devices")
+    xs = collectives.place(np.split(x, n, axis=1) if sequence_parallel else x, devs)
 
     def step(xs):
         with tf.GradientTape() as tape:
             tape.watch(xs)
-            outs = (tp.tp_mlp(shards, xs, devs) if kind == "mlp"
-                    else tp.tp_block(shards, xs, devs, heads))
+            outs = (tp.tp_mlp(shards, xs, devs, sequence_parallel, algorithm) if kind == "mlp"
+                    else tp.tp_block(shards, xs, devs, heads, sequence_parallel, algorithm))
             losses = [collectives.on_device(tf.reduce_sum, d, o) for o, d in zip(outs, devs,
                                                                                    strict=True)]
         return tape.gradient(losses, [xs, shards])
 
     sent = collectives.sent_bytes(step, xs)
     return {"counted_min": min(sent.values()), "counted_max": max(sent.values()),
-            "formula": tp.bytes_per_step(kind, [batch, seq, hidden], n)}
+            "formula": tp.bytes_per_step(kind, [batch, seq, hidden], n,
+                                         sequence_parallel=sequence_parallel,
+                                         algorithm=algorithm)}
 
 
 def bytes_by_device(variables) -> dict[str, int]:
@@ -299,49 +310,33 @@ def check_keras_held(answer) -> str:
 
 
 def figure_sequence_parallel():
-    """Megatron's tensor + sequence parallelism over 2 devices (Korthikanti et al. 2022): which
-    activations each device holds whole, split by hidden, or split by sequence."""
+    """Megatron's tensor + sequence parallelism over 2 devices (Korthikanti et al. 2022, Figure
+    5): what each device holds in each region: half the positions (the sequence-parallel
+    LayerNorm and dropout regions), or all positions with half the attention heads or half the
+    MLP's hidden columns (the tensor-parallel regions)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 2.8))
-    stages = [("LayerNorm\n+ dropout", "seq"), ("attention\n(heads split)", "hidden"),
-              ("LayerNorm\n+ dropout", "seq"), ("MLP\n(columns / rows)", "hidden")]
+    # (name, what each device holds): sequence-parallel regions hold half the positions; the
+    # tensor-parallel ones all positions and half the heads, or half the MLP's hidden columns
+    stages = [("LayerNorm\n+ dropout", "seq", "sequence half"),
+              ("attention", "tp", "all positions,\nhalf the heads"),
+              ("LayerNorm\n+ dropout", "seq", "sequence half"),
+              ("MLP", "tp", "all positions, half of\nw1's columns / w2's rows")]
     # Megatron's names (section 4): f before a column-parallel layer, g after a row-parallel one
     between = ["all-gather\n(replaces f)", "reduce-scatter\n(replaces g)",
                "all-gather\n(replaces f)", "reduce-scatter\n(replaces g)"]
-    colors = {"seq": "#8fbc8f", "hidden": "#87a9d6"}
-    for i, (name, split) in enumerate(stages):
+    colors = {"seq": "#8fbc8f", "tp": "#87a9d6"}
+    for i, (name, split, part) in enumerate(stages):
         x0 = i * 2.6
         for dev in range(2):
             y0 = 1.1 - dev * 1.0
             ax.add_patch(plt.Rectangle((x0, y0), 1.8, 0.8, color=colors[split], alpha=0.8))
-            part = "sequence half" if split == "seq" else "heads / columns half"
             ax.text(x0 + 0.9, y0 + 0.4, f"{name}\ndevice {dev}: {part}", ha="center",
                     va="center", fontsize=6.5)
         ax.annotate(between[i], (x0 + 2.2, 1.0), ha="center", va="center", fontsize=6.5)
     ax.set(xlim=(-0.2, 10.6), ylim=(-0.1, 2.1), title="sequence parallelism: the parts that "
            "tensor parallelism leaves replicated are split along the sequence")
     ax.axis("off")
-    fig.tight_layout()
-    return fig
-
-
-def figure_tp_cost(hidden: int = 4096, batch: int = 8, seq: int = 1024):
-    """MODEL: parallel efficiency of one tensor-parallel layer of a fixed size vs devices, per
-    link (A100): strong scaling. (Megatron-LM's reported points are weak scaling, the model
-    growing with the devices, so they are not drawn on it.)"""
-    import matplotlib.pyplot as plt
-
-    counts = [1, 2, 4, 8, 16]
-    links = ["NVLink 3 (A100, per GPU)", "PCIe 4.0 x16", "InfiniBand HDR (200 Gb/s)",
-             "100 Gb Ethernet"]
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    for link in links:
-        eff = [cost.tp_layer_time(batch, seq, hidden, n, "NVIDIA A100", link)["efficiency"]
-               for n in counts]
-        ax.plot(counts, eff, "o-", label=link)
-    ax.set(xscale="log", xticks=counts, xticklabels=counts, ylim=(0, 1.05), xlabel="devices",
-           ylabel="efficiency", title=f"MODEL: one layer, h={hidden}, {batch}x{seq} tokens")
-    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

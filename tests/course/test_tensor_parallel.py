@@ -65,7 +65,7 @@ def test_counted_bytes_equal_the_formula(four_devices):
 def test_figures_draw():
     import matplotlib.pyplot as plt
 
-    for fig in (course.figure_sequence_parallel(), course.figure_tp_cost()):
+    for fig in (course.figure_sequence_parallel(),):
         assert fig.axes
         plt.close(fig)
 
@@ -99,3 +99,38 @@ def test_megatron_layouts_by_hand_and_the_reported_table(four_devices):
                        "w2": ["unsharded", "model"], "b2": ["model"]}
     assert course.MEGATRON_WEAK_SCALING == {1: (1.2, 100.0), 2: (2.0, 90.7), 4: (4.2, 86.5),
                                             8: (8.7, 79.6)}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "block"])
+def test_counted_bytes_ring_and_sequence_parallel_by_hand(four_devices, kind):
+    """n = 4: a ring all-reduce sends 2 (n - 1) / n of the activation, half the direct one's
+    (n - 1); sequence parallelism sends the ring's bytes plus the all-reduce (direct) of the
+    replicated parameters' gradients: b2 for the MLP, b2, bo and two LayerNorms (6 h) for the
+    block (Korthikanti et al. 2022, section 4.2.2)."""
+    n, per = 4, {"mlp": 2, "block": 4}[kind]
+    activation = B * S * H * 4
+    ring = course.counted_bytes(four_devices, n, kind, batch=B, seq=S, hidden=H, heads=HEADS,
+                                algorithm="ring")
+    assert ring["counted_min"] == ring["counted_max"] == ring["formula"] \
+        == per * 2 * 3 * activation // 4
+    sp = course.counted_bytes(four_devices, n, kind, batch=B, seq=S, hidden=H, heads=HEADS,
+                              sequence_parallel=True)
+    params = {"mlp": 1, "block": 6}[kind] * H * 4
+    assert sp["counted_min"] == sp["counted_max"] == sp["formula"] \
+        == ring["formula"] + (n - 1) * params
+    with pytest.raises(ValueError, match="seq=6 is not divisible by n=4 devices"):
+        course.counted_bytes(four_devices, n, kind, batch=B, seq=6, hidden=H, heads=HEADS,
+                             sequence_parallel=True)
+
+
+def test_sequence_parallel_figure_labels_the_mlp_by_columns():
+    import matplotlib.pyplot as plt
+
+    fig = course.figure_sequence_parallel()
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    plt.close(fig)
+    mlp = [t for t in texts if t.startswith("MLP")]
+    attention = [t for t in texts if t.startswith("attention")]
+    assert len(mlp) == len(attention) == 2  # one box per device
+    assert all("columns" in t and "heads" not in t for t in mlp)
+    assert all("heads" in t and "columns" not in t for t in attention)
