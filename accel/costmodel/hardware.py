@@ -45,6 +45,8 @@ _K520 = "NVIDIA GRID K520 board specification: 2 GK104 GPUs, 4.9 TFLOP/s FP32 pe
 _B200 = ("NVIDIA HGX B200 specifications (8 GPUs), 2025: per GPU, the board's figures / 8, "
          "dense (the sheet prints TF32 to FP4 with sparsity: twice these)")
 _DGX_B200 = "NVIDIA DGX B200 data sheet, 2025: 1,440 GB of HBM3e, 64 TB/s, over 8 GPUs"
+_DGX_B300 = ("NVIDIA DGX B300 data sheet, 2025: 2.3 TB of HBM3e over 8 GPUs; 288 GB per GPU "
+             "(NVIDIA technical blog, 'Inside NVIDIA Blackwell Ultra', 2025)")
 _MI300X_SHEET = "AMD Instinct MI300X data sheet, 2023"
 _MI325X_SHEET = "AMD Instinct MI325X data sheet, 2024"
 _MI355X_SHEET = "AMD Instinct MI355X data sheet, 2025"
@@ -132,6 +134,7 @@ MEMORY_GB: dict[str, Spec] = {
     "NVIDIA H100 SXM": Spec(80.0, _H100),
     "NVIDIA H200 SXM": Spec(141.0, _H200),
     "NVIDIA B200": Spec(180.0, _DGX_B200),
+    "NVIDIA B300": Spec(288.0, _DGX_B300),
     "AMD MI300X": Spec(192.0, _MI300X_SHEET + ": 192 GB HBM3"),
     "AMD MI325X": Spec(256.0, _MI325X_SHEET + ": 256 GB HBM3E"),
     "AMD MI355X": Spec(288.0, _MI355X_SHEET + ": 288 GB HBM3E"),

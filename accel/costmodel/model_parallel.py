@@ -14,36 +14,21 @@ parameter transformer-like model on A100 GPUs, over PCIe 4.0 and NVLink 3). Memo
 parameter of mixed-precision Adam training: 16 bytes (fp16 weights and gradients, fp32 master
 weights, momentum and variance), Rajbhandari et al., "ZeRO", SC 2020, section 3.1.
 
-Memory per GPU (``memory_split``): the training state divided by ``p``, plus the activations
-the GPU's ``layers / p`` transformer layers keep for the backward pass: ``s b h (34 + 5 a s /
-h)`` bytes per layer without recomputation (``accel.costmodel.transformer``, Korthikanti et al.
-2022), or only each layer's input, ``2 s b h`` bytes, with full recomputation (their Table 2),
-which costs a fourth forward pass. ``GPU_MEMORY_GB`` lists the largest single GPUs' memory.
+Memory per GPU on today's GPUs, with and without recomputation or fused attention, is
+``accel.costmodel.planner.memory_per_device`` (chapter 09 prints it per GPU).
 """
 
 from __future__ import annotations
 
 from accel import checks
 from accel.costmodel.hardware import MEMORY_GB, link_bandwidth, peak_flops
-from accel.costmodel.transformer import layer_activation_bytes
 from accel.costmodel.zero import ADAM_MIXED_BYTES_PER_PARAM
 
-__all__ = ["BYTES_PER_PARAM_ADAM_MIXED", "A100_MEMORY_GB", "GPU_MEMORY_GB", "EXAMPLE_MODEL",
-           "naive_split", "example_rows", "format_rows", "memory_split", "memory_rows",
-           "format_memory_rows", "smallest_gpu"]
+__all__ = ["BYTES_PER_PARAM_ADAM_MIXED", "A100_MEMORY_GB", "naive_split", "example_rows",
+           "format_rows"]
 
 BYTES_PER_PARAM_ADAM_MIXED = ADAM_MIXED_BYTES_PER_PARAM  # accel.costmodel.zero's table: 16
 A100_MEMORY_GB = MEMORY_GB["NVIDIA A100"].value  # accel.costmodel.hardware's figure: 80
-
-# memory of one GPU in GB (10^9 bytes), vendors' data sheets: A100 80GB and H100 SXM (80 GB),
-# H200 (141 GB HBM3e), B200 (192 GB HBM3e as announced at GTC 2024; NVIDIA's DGX B200 lists
-# 1,440 GB for 8 GPUs, 180 GB each) and AMD Instinct MI300X (192 GB HBM3)
-GPU_MEMORY_GB = {"A100 / H100": 80.0, "H200": 141.0, "B200 / MI300X": 192.0}
-
-# the worked example: about 7 billion parameters (12 L h^2 = 6.4e9 in the layers, plus
-# embeddings), 8 sequences of 2048 tokens per step
-EXAMPLE_MODEL = {"params": 7e9, "layers": 32, "hidden": 4096, "heads": 32, "seq": 2048,
-                 "batch": 8}
 
 
 def naive_split(params: float, tokens: int, hidden: int, num_gpus: int, link: str,
@@ -87,45 +72,4 @@ def format_rows(rows: list[dict]) -> str:
                      f"{r['compute_s'] * 1e3:>7.0f}ms {r['transfer_s'] * 1e3:>7.1f}ms "
                      f"{r['step_s'] * 1e3:>7.0f}ms {r['idle_fraction']:>6.2f} "
                      f"{r['expected_idle']:>8.2f}")
-    return "\n".join(lines)
-
-
-def memory_split(params: float, layers: int, hidden: int, heads: int, seq: int, batch: int,
-                 num_gpus: int) -> dict[str, float]:
-    """GB per GPU when ``layers`` transformer layers are split over ``num_gpus`` GPUs (each
-    holds ``layers / num_gpus`` layers and its share of the training state): the state (16
-    bytes per parameter), the activations kept without recomputation, and with full
-    recomputation (each layer's 16-bit input, ``2 s b h`` bytes)."""
-    checks.positive_number("params", params)
-    for name, v in (("layers", layers), ("num_gpus", num_gpus)):
-        checks.positive_int(name, v)
-    per_gpu = layers / num_gpus
-    kept = layer_activation_bytes(batch, seq, hidden, heads)
-    return {"gpus": num_gpus, "state_gb": params * BYTES_PER_PARAM_ADAM_MIXED / num_gpus / 1e9,
-            "activations_gb": per_gpu * kept / 1e9,
-            "recompute_gb": per_gpu * 2 * seq * batch * hidden / 1e9}
-
-
-def memory_rows(model: dict | None = None, gpus: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict]:
-    """``memory_split`` of ``model`` (default ``EXAMPLE_MODEL``) for each GPU count."""
-    m = dict(EXAMPLE_MODEL if model is None else model)
-    return [memory_split(m["params"], m["layers"], m["hidden"], m["heads"], m["seq"],
-                         m["batch"], n) for n in gpus]
-
-
-def smallest_gpu(gb: float) -> str:
-    """The first GPU of ``GPU_MEMORY_GB`` (smallest first) that holds ``gb``, or ``'none'``."""
-    return next((name for name, cap in GPU_MEMORY_GB.items() if gb <= cap), "none")
-
-
-def format_memory_rows(rows: list[dict]) -> str:
-    """``memory_rows`` as a table: GB per GPU and the smallest GPU that holds it, for the state
-    alone, state + activations, and state + activations under full recomputation."""
-    lines = [f"{'GPUs':>4}  {'state':>13}  {'+ activations':>22}  {'+ with recomputation':>22}"]
-    for r in rows:
-        cells = []
-        for gb in (r["state_gb"], r["state_gb"] + r["activations_gb"],
-                   r["state_gb"] + r["recompute_gb"]):
-            cells.append(f"{gb:5.0f} GB {smallest_gpu(gb):>13}")
-        lines.append(f"{r['gpus']:>4}  {cells[0]:>13}  {cells[1]:>22}  {cells[2]:>22}")
     return "\n".join(lines)

@@ -11,14 +11,21 @@ model-parallel`` benchmark.
   which both devices worked (``split_overlap``);
 * ``rnn_forward(devices, mode)``: a stacked RNN, layer ``l`` on device ``l``, unrolled over time;
   ``mode="layer after layer"`` adds control edges so layer ``l`` waits for all of layer ``l-1``;
-  ``wavefront_limit(T, L, ceiling)`` the most the wavefront can gain;
+  ``wavefront_limit(T, L)`` the most the wavefront can gain;
 * ``measure_wavefront()``: split and one-device variants timed alike in a fresh process with
   two devices and one intra-op thread (a process's thread pools are fixed at start-up), with
-  the traced overlap and the limits (``format_wavefront`` prints them);
+  the traced overlap, the limit and that process's ceiling (``format_wavefront`` prints them);
+* ``gpu_capacities()``, ``smallest_gpu(gb)``: the data-sheet memory of today's GPUs
+  (``accel.costmodel.hardware.MEMORY_GB``) and the smallest that holds ``gb`` within the
+  planner's ``MEMORY_BUDGET``; ``memory_rows()`` a 7B-class transformer split over 1-8 GPUs
+  (``accel.costmodel.planner.memory_per_device``), attention scores kept or fused, with and
+  without full recomputation; ``time_rows()`` naive model parallelism's step on H100s;
 * ``memory_per_device(model)``: weights, gradients and Adam slots on each device, split vs data
   parallel (chapter 04's estimate over the variables each device holds);
 * ``bench``: split step vs one device (4 and 2 devices), idle fractions next to (p-1)/p, the
-  wavefront against split layer after layer, one device and the limit, and the ceiling.
+  wavefront against one device and the limit, and the ceiling;
+* the exercises' checks: ``check_bytes``, ``check_embedding_split``, ``check_skip_cut``,
+  ``check_stage_memory``.
 """
 
 from __future__ import annotations
@@ -30,9 +37,12 @@ import numpy as np
 import tensorflow as tf
 
 from accel import checks, models, placement, procs, profile, timing, viz
+from accel.costmodel import model_parallel as mp_cost
+from accel.costmodel import planner as pl
+from accel.costmodel.hardware import MEMORY_GB
 from accel.memory.estimate import estimate_training_memory
 from accel.parallel import model as mp
-from accel.parallel import trace
+from accel.parallel import pipeline, trace
 from accel.parallel.data import make_single_step
 from accel.parallel.layers import mlp_layers
 from accel.parallel.partition import balance_by_cost, part_costs
@@ -42,9 +52,11 @@ __all__ = ["TRACE_SIZES", "RNN", "naive_trace", "figure_timeline", "WAVEFRONT_MO
            "WAVEFRONT_ROWS", "wavefront_limit", "wavefront_grid", "rnn_forward", "overlap_of",
            "rnn_overlap", "wavefront_times", "measure_wavefront", "format_wavefront",
            "max_relative_difference", "memory_per_device", "format_memory",
-           "split_vs_single", "bench", "EXERCISE_SIZES",
-           "EXERCISE_COSTS", "EXERCISE_WAVEFRONT", "check_bytes", "check_balance",
-           "check_wavefront_limit", "SPLIT_BATCH", "DENSE_WIDTH", "DENSE_LAYERS", "CNN_LAYERS",
+           "split_vs_single", "bench", "GPUS", "gpu_capacities", "format_capacities",
+           "smallest_gpu", "EXAMPLE", "memory_rows", "format_memory_rows", "time_rows",
+           "EXERCISE_SIZES", "check_bytes", "EMBEDDING_EXERCISE", "embedding_costs",
+           "check_embedding_split", "skip_model", "check_skip_cut", "STAGE_EXERCISE",
+           "check_stage_memory", "SPLIT_BATCH", "DENSE_WIDTH", "DENSE_LAYERS", "CNN_LAYERS",
            "TOWER_CROSSINGS", "CNN_INPUT", "dense_by_layers", "dense_by_neurons",
            "two_tower_cnn", "cnn_by_layers", "SPLITS", "split_bytes", "split_overlap",
            "count_splits", "format_splits"]
@@ -98,23 +110,15 @@ def figure_timeline(result: dict | None = None, min_gap: float = 0.01):
 WAVEFRONT_MODES = ("wavefront", "layer after layer")
 
 
-def wavefront_limit(steps: int, layers: int = 2, ceiling: float | None = None) -> float:
-    """The most a wavefront can gain over running the same cells layer after layer: ``layers``
-    layers of ``steps`` time steps, one layer per device, every cell the same work.
-
-    Layer after layer takes ``steps x layers`` cell times. The wavefront runs in
-    ``steps + layers - 1`` waves; wave ``k`` holds ``n_k`` cells that may run at once, which
-    take ``n_k / min(n_k, c)`` cell times when the machine runs at most ``c`` cells' worth of
-    work at once (``ceiling``; ``None``: ``c = layers``, one free core per device). The limit is
-    ``steps x layers / sum_k n_k / min(n_k, c)``: ``T L / (T + L - 1)`` with free cores
-    (``2T / (T + 1)`` for two layers), ``T / (1 + (T - 1) / c)`` for two layers on a machine
-    whose two cores give ``c`` times one core's speed."""
+def wavefront_limit(steps: int, layers: int = 2) -> float:
+    """The most a wavefront can gain over running the same cells one after another (layer after
+    layer): ``layers`` layers of ``steps`` time steps, one layer per device, every cell the same
+    work, free transfers. Layer after layer takes ``steps x layers`` cell times; the wavefront
+    runs in ``steps + layers - 1`` waves: ``T L / (T + L - 1)`` (``2T / (T + 1)`` for two
+    layers)."""
     checks.positive_int("steps", steps)
     checks.positive_int("layers", layers)
-    c = float(layers) if ceiling is None else checks.positive_number("ceiling", ceiling)
-    waves = [sum(1 for layer in range(layers) if 0 <= k - layer < steps)
-             for k in range(steps + layers - 1)]
-    return steps * layers / sum(n / min(n, c) for n in waves)
+    return steps * layers / (steps + layers - 1)
 
 
 def wavefront_grid(steps: int, layers: int = 2) -> str:
@@ -171,21 +175,22 @@ def _rnn_body(device_names, weights, xs, mode: str):
     return tf.stack(inputs)
 
 
-def _both_busy(a: list, b: list) -> float:
+def _both_in_flight(a: list, b: list) -> float:
     """Seconds during which two merged interval lists overlap."""
     return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
 
 
 def overlap_of(intervals: dict[str, list]) -> dict[str, float]:
     """From two devices' busy intervals (``trace.busy_intervals``): the share of the span
-    during which both were busy, and the busy time summed over both devices / the span (the
-    speed-up this overlap gives over running the same ops one at a time)."""
+    during which each device had an op in flight, and the op time summed over both devices /
+    the span. Logical CPU devices share the process's thread pools and the machine's cores, so
+    this says which ops the dataflow let run at the same time, not that each had a core."""
     lanes = list(intervals.values())
     if len(lanes) != 2:
         raise ValueError(f"overlap_of needs 2 devices' intervals, got {len(lanes)}")
     span = max(b for v in lanes for _, b in v) - min(a for v in lanes for a, _ in v)
     busy = sum(b - a for v in lanes for a, b in v)
-    return {"both busy": _both_busy(*lanes) / span, "busy / span": busy / span}
+    return {"both in flight": _both_in_flight(*lanes) / span, "busy / span": busy / span}
 
 
 def rnn_overlap(device_names: Sequence[str], mode: str, warmup: int = 2, runs: int = 3
@@ -245,9 +250,11 @@ from accel import devices
 names = devices.setup(2, intra_op_threads=1)
 from accel.course.model_parallel import wavefront_times
 from accel import timing
-before = timing.measure_ceiling().value
+before = timing.measure_ceiling()
 out = wavefront_times(names, {rounds}, {repeat})
-out["ceiling"] = max(before, timing.measure_ceiling().value)
+after = timing.measure_ceiling()
+best = max(before, after, key=lambda c: c.value)
+out["ceiling"], out["others"] = best.value, best.others
 print("ACCEL_RESULT" + json.dumps(out))
 """
 
@@ -257,7 +264,7 @@ def measure_wavefront(rounds: int = 5, repeat: int = 3, timeout: float = 180) ->
     devices of a process share one intra-op pool, so with one thread a matmul runs on the
     thread that runs it, and two ops run at once only when the executor dispatches them on two
     inter-op threads. Adds the ceiling measured in that process (the higher of before and
-    after the timings) and the limits (``wavefront_limit``) for free cores and that ceiling."""
+    after the timings, with the other processes' load then) and the limit (``wavefront_limit``)."""
     out = procs.run_python(_CHILD.format(rounds=rounds, repeat=repeat), timeout=timeout,
                            warm=True)
     line = next((ln for ln in out.splitlines() if ln.startswith("ACCEL_RESULT")), None)
@@ -265,23 +272,28 @@ def measure_wavefront(rounds: int = 5, repeat: int = 3, timeout: float = 180) ->
         raise procs.ChildFailed(f"the child printed no result:\n{out[-2000:]}")
     res = json.loads(line[len("ACCEL_RESULT"):])
     res["limit"] = wavefront_limit(RNN["steps"])
-    res["limit at ceiling"] = wavefront_limit(RNN["steps"], ceiling=min(2.0, res["ceiling"]))
     return res
 
 
 def format_wavefront(w: dict) -> str:
-    """``measure_wavefront``'s result: the four times, the ratios of the split wavefront to
-    layer after layer and to one device, the limits, and the traced overlap."""
-    base = w["split, layer after layer"]
-    lines = [f"{k:31} {w[k] * 1e3:7.1f} ms   {base / w[k]:.2f}x vs split layer after layer"
+    """``measure_wavefront``'s result, every time from one process and one clock: the four
+    times, each against one device running the layers one after another (what a GPU's single
+    in-order stream does), the split against one device with free dataflow, the limit, the
+    share of the traced runs in which both devices had an op in flight, and that process's
+    ceiling."""
+    base = w["one device, layer after layer"]
+    lines = [f"{k:31} {w[k] * 1e3:7.1f} ms   {base / w[k]:.2f}x vs one device layer after layer"
              for k in WAVEFRONT_ROWS]
-    lines.append(f"limit T L / (T + L - 1), T = {RNN['steps']}, L = 2: {w['limit']:.2f}x; "
-                 f"at this run's ceiling {w['ceiling']:.2f}: {w['limit at ceiling']:.2f}x")
+    lines.append(f"split wavefront vs one device with free dataflow: "
+                 f"{w['one device, free dataflow'] / w['split, wavefront']:.2f}x")
+    lines.append(f"limit over layer after layer, T L / (T + L - 1), T = {RNN['steps']}, L = 2: "
+                 f"{w['limit']:.2f}x")
     for m in WAVEFRONT_MODES:
         t = w[f"traced {m}"]
-        lines.append(f"traced split, {m:17}: both devices busy {t['both busy']:.0%} of the run; "
-                     f"busy time / span {t['busy / span']:.2f}x")
+        lines.append(f"traced split, {m:17}: both devices with an op in flight "
+                     f"{t['both in flight']:.0%} of the run")
     lines.append(f"same outputs in all four: {w['same outputs']}")
+    lines.append(timing.ceiling_line(timing.Ceiling(w["ceiling"], w.get("others"))))
     return "\n".join(lines)
 
 
@@ -364,19 +376,105 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     out["wavefront/layer_after_layer"] = w["split, layer after layer"] / wave
     out["wavefront/one_device_layer_after_layer"] = w["one device, layer after layer"] / wave
     out["wavefront/one_device"] = w["one device, free dataflow"] / wave
-    out["wavefront_limit"], out["wavefront_limit_at_ceiling"] = w["limit"], w["limit at ceiling"]
-    out["ceiling"] = w["ceiling"]
-    out.update({f"both busy ({m})": w[f"traced {m}"]["both busy"] for m in WAVEFRONT_MODES})
-    lines.append(f"RNN {RNN}, 2 devices x 1 intra-op thread (goal: wavefront >= 1.6x over layer "
-                 "after layer):")
+    out["wavefront_limit"], out["ceiling"] = w["limit"], w["ceiling"]
+    out.update({f"both in flight ({m})": w[f"traced {m}"]["both in flight"]
+                for m in WAVEFRONT_MODES})
+    lines.append(f"RNN {RNN}, 2 devices x 1 intra-op thread:")
     lines.append(format_wavefront(w))
-    lines.append(timing.ceiling_line())
     print("\n".join(lines))
     return out
 
 
+# today's GPUs, smallest memory first (accel.costmodel.hardware.MEMORY_GB: data sheets)
+GPUS = ("NVIDIA A100", "NVIDIA H100 SXM", "NVIDIA H200 SXM", "NVIDIA B200", "AMD MI300X",
+        "AMD MI325X", "NVIDIA B300", "AMD MI355X")
+
+
+def gpu_capacities(budget: float = pl.MEMORY_BUDGET,
+                   bytes_per_param: float = mp_cost.BYTES_PER_PARAM_ADAM_MIXED) -> list[dict]:
+    """For each of ``GPUS``: its memory (GB), the ``budget`` share a plan may fill, and the
+    parameters whose training state (``bytes_per_param`` each) fits in that share."""
+    if not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+        raise ValueError(f"budget must be in (0, 1], got {budget!r}")
+    checks.positive_number("bytes_per_param", bytes_per_param)
+    return [{"gpu": g, "gb": MEMORY_GB[g].value, "usable_gb": budget * MEMORY_GB[g].value,
+             "params": budget * MEMORY_GB[g].value * 1e9 / bytes_per_param} for g in GPUS]
+
+
+def format_capacities(rows: list[dict]) -> str:
+    """``gpu_capacities`` as a table."""
+    lines = [f"{'GPU':16} {'memory':>8} {'usable':>8}  {'parameters at 16 B':>18}"]
+    lines += [f"{r['gpu']:16} {r['gb']:>5.0f} GB {r['usable_gb']:>5.0f} GB  "
+              f"{r['params'] / 1e9:>14.1f} B" for r in rows]
+    return "\n".join(lines)
+
+
+def smallest_gpu(gb: float, budget: float = pl.MEMORY_BUDGET) -> str:
+    """The GPUs of ``GPUS`` with the least memory whose ``budget`` share holds ``gb``
+    (equal capacities joined by ``/``), or ``'none'``."""
+    checks.non_negative_number("gb", gb)
+    fits = [g for g in GPUS if gb <= budget * MEMORY_GB[g].value]
+    if not fits:
+        return "none"
+    least = MEMORY_GB[fits[0]].value
+    return " / ".join(_short(g) for g in fits if MEMORY_GB[g].value == least)
+
+
+def _short(gpu: str) -> str:
+    return gpu.replace("NVIDIA ", "").replace("AMD ", "").replace(" SXM", "")
+
+
+# a 7B-class GPT (Llama-2-7B's shape with a tied embedding: Narayanan et al. eq. 2 gives
+# 6.6e9 parameters), 8 sequences of 2048 tokens per step, one micro-batch (no pipelining)
+EXAMPLE = {"model": pl.Transformer(layers=32, hidden=4096, heads=32, seq=2048, vocab=32000),
+           "batch": 8}
+MEMORY_CASES = (  # label -> (recompute, attention)
+    ("scores kept", ("none", "materialized")),
+    ("fused attention", ("none", "fused")),
+    ("full recompute", ("full", "materialized")),
+    ("full + fused", ("full", "fused")))
+
+
+def memory_rows(gpus: Sequence[int] = (1, 2, 4, 8), example: dict | None = None) -> list[dict]:
+    """GB on the first (most loaded) of ``p`` GPUs holding consecutive layers of ``example``
+    (default ``EXAMPLE``), mixed-precision Adam state plus activations, for each of
+    ``MEMORY_CASES`` (``accel.costmodel.planner.memory_per_device`` with ``pipeline=p``)."""
+    e = EXAMPLE if example is None else example
+    rows = []
+    for p in gpus:
+        row = {"gpus": checks.positive_int("gpus", p)}
+        for label, (recompute, attention) in MEMORY_CASES:
+            plan = pl.Plan(1, 1, p, microbatch=e["batch"], recompute=recompute,
+                           attention=attention)
+            mem = pl.memory_per_device(e["model"], plan, e["batch"])
+            row["state"] = (mem.weights + mem.gradients + mem.optimizer) / 1e9
+            row[label] = mem.total / 1e9
+        rows.append(row)
+    return rows
+
+
+def format_memory_rows(rows: list[dict], budget: float = pl.MEMORY_BUDGET) -> str:
+    """``memory_rows`` as a table: GB and the smallest GPU that holds it within ``budget``."""
+    labels = ["state"] + [label for label, _ in MEMORY_CASES]
+    lines = [f"{'GPUs':>4}  " + "  ".join(f"{k:>19}" for k in labels)]
+    for r in rows:
+        cells = [f"{r[k]:4.0f} GB {smallest_gpu(r[k], budget):>11}" for k in labels]
+        lines.append(f"{r['gpus']:>4}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def time_rows(gpus: Sequence[int] = (1, 2, 4), device: str = "NVIDIA H100 SXM",
+              links: Sequence[str] = ("PCIe 5.0 x16", "NVLink 4 (H100, per GPU)")) -> list[dict]:
+    """``accel.costmodel.model_parallel.naive_split`` of ``EXAMPLE`` on ``device`` in bf16 at
+    the planner's utilisation, over each of ``links``."""
+    m, b = EXAMPLE["model"], EXAMPLE["batch"]
+    return [{"link": link, **mp_cost.naive_split(m.parameters, b * m.seq, m.hidden, n, link,
+                                                 device=device, precision="bf16",
+                                                 utilization=pl.UTILIZATION)}
+            for link in links for n in gpus]
+
+
 EXERCISE_SIZES = (16, 1024, 1024, 4)
-EXERCISE_COSTS = (5.0, 1.0, 1.0, 1.0, 1.0, 1.0)
 
 
 def check_bytes(answer, device_names: Sequence[str]) -> str:
@@ -398,39 +496,98 @@ def check_bytes(answer, device_names: Sequence[str]) -> str:
     return "exercise 1: not quite: count the boundaries, then both directions"
 
 
-def check_balance(answer) -> str:
-    """Exercise 2: the split of ``EXERCISE_COSTS`` (seconds per layer) over 2 devices whose
-    slowest part is fastest."""
+EMBEDDING_EXERCISE = {"vocab": 131072, "hidden": 4096, "blocks": 32, "stages": 4}
+
+
+def embedding_costs(vocab: int, hidden: int, blocks: int) -> tuple[list[float], list[float]]:
+    """(compute, parameters) per layer of ``[embedding, block x blocks, output projection]``,
+    in units of one block. Compute: forward matmul FLOPs per token, ``24 h^2`` a block
+    (attention scores left out), ``2 h V`` the output projection, 0 the embedding (a lookup).
+    Parameters: ``12 h^2`` a block, ``V h`` the embedding and the projection each (untied)."""
+    v, h = checks.positive_int("vocab", vocab), checks.positive_int("hidden", hidden)
+    n = checks.positive_int("blocks", blocks)
+    head, table = 2 * h * v / (24 * h * h), v * h / (12 * h * h)
+    return [0.0, *[1.0] * n, head], [table, *[1.0] * n, table]
+
+
+def check_embedding_split(answer) -> str:
+    """Exercise 2: transformer blocks per stage (a list of ``stages`` counts adding up to
+    ``blocks``; stage 0 also runs the embedding, the last the output projection) whose slowest
+    stage (compute) is fastest, checked against ``balance_by_cost`` on ``embedding_costs``."""
     if answer is None:
-        return "exercise 2: not answered yet (set answer2 to a list of two part sizes)"
-    best = max(part_costs(EXERCISE_COSTS, balance_by_cost(EXERCISE_COSTS, 2)))
+        return "exercise 2: not answered yet (set answer2 to a list of 4 block counts)"
+    e = EMBEDDING_EXERCISE
+    compute, params = embedding_costs(e["vocab"], e["hidden"], e["blocks"])
     try:
-        mine = max(part_costs(EXERCISE_COSTS, answer))
-    except ValueError as exc:
-        return f"exercise 2: not quite: {exc}"
-    if mine == best:
-        return (f"exercise 2: correct: the slowest part takes {mine:g} s; by count ([3, 3]) it "
-                f"would take {max(part_costs(EXERCISE_COSTS, [3, 3])):g} s")
-    return f"exercise 2: not quite: your slowest part takes {mine:g} s"
+        counts = [int(k) for k in answer]
+    except (TypeError, ValueError):
+        return f"exercise 2: not quite: give {e['stages']} block counts, got {answer!r}"
+    if (len(counts) != e["stages"] or sum(counts) != e["blocks"] or min(counts) < 0
+            or min(counts[1:-1], default=1) < 1):
+        return (f"exercise 2: not quite: give {e['stages']} block counts adding up to "
+                f"{e['blocks']}, got {answer!r}")
+    balance = [counts[0] + 1, *counts[1:-1], counts[-1] + 1]  # embedding, projection included
+    best = max(part_costs(compute, balance_by_cost(compute, e["stages"])))
+    mine = part_costs(compute, balance)
+    by_count = max(part_costs(compute, [e["blocks"] // e["stages"] + 1, *[e["blocks"] //
+                                        e["stages"]] * (e["stages"] - 2),
+                                        e["blocks"] // e["stages"] + 1]))
+    held = " / ".join(f"{x:.1f}" for x in part_costs(params, balance))
+    if max(mine) <= best + 1e-9:
+        return (f"exercise 2: correct: slowest stage {max(mine):.2f} block-times (equal counts: "
+                f"{by_count:.2f}); parameters per stage in blocks: {held}")
+    return f"exercise 2: not quite: your slowest stage takes {max(mine):.2f} block-times"
 
 
-EXERCISE_WAVEFRONT = (8, 4)  # time steps, layers (one per device)
+def skip_model():
+    """Exercise 3's functional Keras model (float32): ``a`` (512) -> ``b`` (64) -> ``c`` (512),
+    then ``add = a + c`` (a skip connection over ``b`` and ``c``) -> ``out`` (10)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    x = keras.Input((32,), name="x")
+    a = keras.layers.Dense(512, activation="relu", name="a")(x)
+    b = keras.layers.Dense(64, activation="relu", name="b")(a)
+    c = keras.layers.Dense(512, name="c")(b)
+    added = keras.layers.Add(name="add")([a, c])
+    return keras.Model(x, keras.layers.Dense(10, name="out")(added))
 
 
-def check_wavefront_limit(answer) -> str:
-    """Exercise 3: the wavefront's limit over layer after layer for ``EXERCISE_WAVEFRONT``
-    (free cores), within 0.01."""
+def check_skip_cut(answer, device_names: Sequence[str]) -> str:
+    """Exercise 3: bytes per example crossing the cut of ``skip_model()`` split over two
+    devices with part 2 beginning at layer ``c`` (``ModelParallel(..., split_points=["c"])``),
+    read from ``ModelParallel.crossings()``."""
     if answer is None:
-        return "exercise 3: not answered yet (set answer3 to a speed-up, e.g. 2.5)"
+        return "exercise 3: not answered yet (set answer3 to bytes per example)"
+    import keras
+
+    split = mp.ModelParallel(skip_model(), device_names[:2], loss=keras.losses.MeanSquaredError(),
+                             optimizer=keras.optimizers.SGD(0.01), split_points=["c"])
+    rows = split.crossings()[0]
+    counted = sum(r[3] for r in rows)
+    table = "; ".join(f"{name} {list(shape)} {dtype}: {size} B" for name, shape, dtype, size
+                      in rows)
+    if answer == counted:
+        return f"exercise 3: correct: {table}"
+    return "exercise 3: not quite: list every tensor a layer after the cut reads from before it"
+
+
+STAGE_EXERCISE = {"stages": 4, "microbatches": 8}
+
+
+def check_stage_memory(answer) -> str:
+    """Exercise 4: how many times more micro-batches' activations stage 0 holds at its peak
+    than the last stage under 1F1B, counted on the schedule (``pipeline.peak_in_flight``)."""
+    if answer is None:
+        return "exercise 4: not answered yet (set answer4 to a ratio)"
     if isinstance(answer, bool) or not isinstance(answer, (int, float)):
-        return f"exercise 3: not quite: give a number, got {answer!r}"
-    steps, layers = EXERCISE_WAVEFRONT
-    right = wavefront_limit(steps, layers)
-    if abs(answer - right) <= 0.01:
-        return (f"exercise 3: correct: {steps * layers} cells in {steps + layers - 1} waves; "
-                f"the {layers - 1} waves of filling and {layers - 1} of draining cost more "
-                "with more devices")
-    return "exercise 3: not quite: count the waves in wavefront_grid and the cells"
+        return f"exercise 4: not quite: give a number, got {answer!r}"
+    p, m = STAGE_EXERCISE["stages"], STAGE_EXERCISE["microbatches"]
+    peaks = pipeline.peak_in_flight(pipeline.one_f_one_b_schedule(m, p), p)
+    if abs(answer - peaks[0] / peaks[-1]) <= 1e-9:
+        return (f"exercise 4: correct: micro-batches held at the peak, stage 0 to {p - 1}: "
+                f"{peaks}")
+    return "exercise 4: not quite: count the forwards each stage runs before its first backward"
 
 
 SPLIT_BATCH, DENSE_WIDTH, DENSE_LAYERS = 32, 1024, 4
@@ -585,7 +742,7 @@ def split_overlap(name: str, devices: Sequence[str], seed: int = 0, warmup: int 
                   runs: int = 3) -> dict[str, float]:
     """``overlap_of`` traced TF1 runs of one SGD step of ``SPLITS[name]`` (``FULL_TRACE`` step
     stats; the median of ``runs`` runs per figure): how much of the step both devices worked
-    at once."""
+    at once (had an op in flight on both)."""
     g = tf.Graph()
     with g.as_default():
         forward, variables, shape = SPLITS[name](devices, np.random.default_rng(seed))
@@ -617,13 +774,13 @@ def count_splits(devices: Sequence[str], overlap: bool = True) -> dict[str, dict
 
 def format_splits(counts: dict[str, dict]) -> str:
     """``count_splits``'s result as a table: KiB forward (of which the input), backward, total;
-    and, where measured, the share of a traced step during which both devices worked."""
+    and, where traced, the share of a step during which both devices had an op in flight."""
     width = max(len(k) for k in counts)
     lines = [f"{'split':{width}}  {'forward':>9} {'(input)':>9} {'backward':>9} {'total':>9}"
-             f"  {'both busy':>9}"]
+             f"  {'both in flight':>14}"]
     for name, c in counts.items():
         cells = " ".join(f"{c[k] / 1024:>5.0f} KiB" for k in
                          ("forward", "input", "backward", "total"))
-        busy = f"{c['both busy']:>9.0%}" if "both busy" in c else ""
+        busy = f"{c['both in flight']:>14.0%}" if "both in flight" in c else ""
         lines.append(f"{name:{width}}  {cells}  {busy}")
     return "\n".join(lines)

@@ -48,6 +48,14 @@ def test_amd_entries_are_their_data_sheets():
     assert (mi355x["fp64"].value, mi355x["fp32"].value) == (78.6, 157.3)
 
 
+def test_b300_memory_is_its_dgx_sheet():
+    # DGX B300: 2.3 TB of HBM3e over 8 GPUs, 288 GB each (as the MI355X)
+    b300 = hardware.MEMORY_GB["NVIDIA B300"]
+    assert round(b300.value * 8 / 1000, 1) == 2.3
+    assert b300.value == hardware.MEMORY_GB["AMD MI355X"].value == 288.0
+    assert "DGX B300 data sheet" in b300.source
+
+
 def test_mi355x_has_no_tf32_unit():
     with pytest.raises(ValueError, match="no 'tf32' peak"):
         hardware.peak_flops("AMD MI355X", "tf32")

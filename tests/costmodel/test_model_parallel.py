@@ -36,16 +36,3 @@ def test_bad_input(kwargs, message):
     with pytest.raises(ValueError, match=message):
         mpc.naive_split(**{**args, **kwargs})
 
-
-def test_memory_split_by_hand():
-    # 1 layer of s=2, b=3, h=4, a=2 on 1 GPU: s b h (34 + 5 a s / h) = 24 x 39 bytes kept,
-    # 2 s b h = 48 bytes with full recomputation; 1e9 params x 16 bytes / 2 GPUs
-    r = mpc.memory_split(1e9, 2, 4, 2, 2, 3, 2)
-    assert r["activations_gb"] == pytest.approx(24 * 39 / 1e9)
-    assert r["recompute_gb"] == pytest.approx(48 / 1e9)
-    assert r["state_gb"] == pytest.approx(8.0)
-    assert mpc.smallest_gpu(100) == "H200" and mpc.smallest_gpu(500) == "none"
-    # the worked example: activations outweigh the state on one GPU, recomputation fits
-    one = mpc.memory_rows(gpus=(1,))[0]
-    assert one["activations_gb"] > one["state_gb"] > one["recompute_gb"]
-    assert "with recomputation" in mpc.format_memory_rows([one])

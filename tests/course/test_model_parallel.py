@@ -1,7 +1,9 @@
 """accel.course.model_parallel: byte counts and memory against hand counts, the
-wavefront's variants against each other's outputs, and the exercises' solutions."""
+wavefront's variants against each other's outputs, the GPU tables against the data sheets'
+literal figures and hand-counted activations, and the exercises' solutions."""
 
 import numpy as np
+import pytest
 
 from accel.costmodel import planner as pl
 from accel.course import model_parallel as course
@@ -49,19 +51,17 @@ def test_wavefront_variants_compute_the_same(four_devices):
     res = course.wavefront_times(four_devices[:2], rounds=1, repeat=1, trace_runs=1)
     assert res["same outputs"] is True
     # how much the traced runs overlap is a timing: the chapter prints it; here only its range
-    assert 0.0 <= res["traced layer after layer"]["both busy"] <= 1.0
+    assert 0.0 <= res["traced layer after layer"]["both in flight"] <= 1.0
 
 
 def test_wavefront_limit_by_hand():
     assert course.wavefront_limit(6) == 12 / 7  # 2T / (T + 1)
     assert course.wavefront_limit(24) == 48 / 25
-    assert abs(course.wavefront_limit(24, ceiling=1.5) - 24 / (1 + 23 / 1.5)) < 1e-12
-    assert course.wavefront_limit(24, ceiling=1.0) == 1.0
     assert abs(course.wavefront_limit(8, 4) - 32 / 11) < 1e-12
     assert course.wavefront_grid(2, 2).splitlines()[1].split(": ")[1].split() == [".", "t0", "t1"]
-    # the traced overlap of two lanes: both busy 1..2 of 0..3; 4 s of work in 3 s
+    # the traced overlap of two lanes: both in flight 1..2 of 0..3; 4 s of ops in 3 s
     o = course.overlap_of({"a": [(0.0, 2.0)], "b": [(1.0, 3.0)]})
-    assert o == {"both busy": 1 / 3, "busy / span": 4 / 3}
+    assert o == {"both in flight": 1 / 3, "busy / span": 4 / 3}
 
 
 def test_exercise_solutions(four_devices):
@@ -69,12 +69,21 @@ def test_exercise_solutions(four_devices):
     # 2 boundaries x [64, 1024] float32 x (forward + backward)
     assert "correct" in course.check_bytes(2 * 2 * 64 * 1024 * 4, four_devices)
     assert "not quite" in course.check_bytes(64 * 1024 * 4, four_devices)
-    assert "not answered yet" in course.check_balance(None)
-    assert "correct" in course.check_balance([1, 5])
-    assert "not quite" in course.check_balance([3, 3])
-    assert "not answered yet" in course.check_wavefront_limit(None)
-    assert "correct" in course.check_wavefront_limit(32 / 11)  # 32 cells in 11 waves
-    assert "not quite" in course.check_wavefront_limit(2.0)
+    # exercise 2: the projection costs V / 12h = 8/3 blocks; 32 + 8/3 block-times over 4 stages:
+    # no stage can take fewer than 9 (three stages of at most 8 leave 8 blocks + the projection)
+    assert "not answered yet" in course.check_embedding_split(None)
+    for right in ([9, 9, 9, 5], [9, 9, 8, 6], [8, 9, 9, 6]):
+        assert "correct" in course.check_embedding_split(right), right
+    for wrong in ([8, 8, 8, 8], [10, 8, 8, 6], [9, 9, 9], [9, 9, 9, 6], "8888"):
+        assert "not quite" in course.check_embedding_split(wrong), wrong
+    # exercise 3: the cut before c carries b's output (64 floats) and, for the skip, a's (512)
+    assert "not answered yet" in course.check_skip_cut(None, four_devices)
+    assert "correct" in course.check_skip_cut(64 * 4 + 512 * 4, four_devices)
+    assert "not quite" in course.check_skip_cut(64 * 4, four_devices)
+    # exercise 4: under 1F1B stage j of p holds p - j micro-batches: 4 against 1
+    assert "not answered yet" in course.check_stage_memory(None)
+    assert "correct" in course.check_stage_memory(4)
+    assert "not quite" in course.check_stage_memory(2)
 
 
 def test_naive_trace_lists_every_device(four_devices):
@@ -93,3 +102,47 @@ def test_stage_bytes_equal_chapter_07_split(four_devices):
     for dev, (w, g, o) in zip(split.devices, predicted, strict=True):
         e = mem[dev]["split"]
         assert (w, g, o) == (e.weights, e.gradients, e.optimizer_slots)
+
+
+# the data sheets' memory per GPU in GB (DGX B200: 1,440 / 8; DGX B300: 2.3 TB / 8 = 288)
+SHEETS = {"NVIDIA A100": 80, "NVIDIA H100 SXM": 80, "NVIDIA H200 SXM": 141, "NVIDIA B200": 180,
+          "AMD MI300X": 192, "AMD MI325X": 256, "NVIDIA B300": 288, "AMD MI355X": 288}
+
+
+def test_gpu_capacities_are_the_data_sheets():
+    rows = course.gpu_capacities()
+    assert {r["gpu"]: r["gb"] for r in rows} == SHEETS
+    b300 = next(r for r in rows if r["gpu"] == "NVIDIA B300")
+    assert b300["params"] == pytest.approx(0.8 * 288e9 / 16)  # 14.4 B within the budget
+    assert course.gpu_capacities(budget=1.0)[-1]["params"] == pytest.approx(18e9)
+    assert course.smallest_gpu(100) == "H200"       # 100 <= 0.8 x 141
+    assert course.smallest_gpu(150) == "MI300X"     # above 0.8 x 180, below 0.8 x 192
+    assert course.smallest_gpu(60) == "A100 / H100"
+    assert course.smallest_gpu(231) == "none"       # above 0.8 x 288
+    with pytest.raises(ValueError, match="budget"):
+        course.gpu_capacities(budget=1.5)
+
+
+def test_memory_rows_by_hand():
+    s, b, h, a, n = 2048, 8, 4096, 32, 32
+    params = n * (12 * h * h + 13 * h) + (32000 + s) * h  # Narayanan et al. eq. 2
+    sbh, state = s * b * h, 16 * params
+    row = course.memory_rows(gpus=(1,))[0]
+    assert row["state"] == pytest.approx(state / 1e9)
+    assert row["scores kept"] == pytest.approx((state + n * sbh * (34 + 5 * a * s / h)) / 1e9)
+    assert row["fused attention"] == pytest.approx((state + n * sbh * (34 + 4 * a / h)) / 1e9)
+    # full recomputation: every layer's input, plus one layer's whole set while it reruns
+    assert row["full recompute"] == pytest.approx(
+        (state + n * 2 * sbh + sbh * (34 + 5 * a * s / h)) / 1e9)
+    two = course.memory_rows(gpus=(2,))[0]  # 16 layers and the embedding on the first GPU
+    first = 16 * (12 * h * h + 13 * h) + (32000 + s) * h
+    assert two["state"] == pytest.approx(16 * first / 1e9)
+
+
+def test_time_rows_by_hand():
+    params = course.EXAMPLE["model"].parameters
+    rows = course.time_rows(gpus=(1, 2), links=("PCIe 5.0 x16",))
+    compute = 6 * params * 8 * 2048 / (989.4e12 * 0.5)  # H100 SXM bf16 dense, half the peak
+    assert rows[0]["compute_s"] == pytest.approx(compute)
+    # one boundary: the [8 x 2048, 4096] bf16 activation forward and its gradient back
+    assert rows[1]["transfer_s"] == pytest.approx(2 * 8 * 2048 * 4096 * 2 / 63e9)
