@@ -10,6 +10,7 @@ the others, measures in a fresh Python (``accel.procs.run_python``).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 
 import keras
@@ -22,13 +23,12 @@ from accel.parallel import pipeline_exec as pe
 from accel.parallel.layers import dense, linear
 from accel.training import squared_error
 
-__all__ = ["dense_stages", "square_stages", "one_device_step", "make_batch", "measure_bubble",
+__all__ = ["dense_stages", "square_stages", "make_batch", "measure_bubble",
            "stage_phase_times", "measure_fresh", "layer_times", "bench", "figure_schedules",
            "figure_bubble", "check_exercise", "overhead_model", "measure_overhead",
-           "overhead_report", "bench_overhead", "replay_idle", "handoff_gaps", "dependency_check",
-           "overlap_share", "count_messages", "skip_model", "ResidualDense", "residual_mlp",
-           "keras_reference",
-           "max_relative_difference"]
+           "overhead_report", "bench_overhead", "format_timeline", "replay_idle", "handoff_gaps",
+           "dependency_check", "overlap_share", "count_messages", "skip_model", "ResidualDense",
+           "residual_mlp", "keras_reference", "max_relative_difference"]
 
 
 def _enough_devices(num_stages: int, devices: Sequence[str]) -> None:
@@ -69,27 +69,24 @@ def square_stages(devices: Sequence[str], balance: Sequence[int], width: int = 5
     return stages
 
 
-def one_device_step(stages, x, y):
-    """A callable running the same layers' forward and backward on the first stage's device,
-    on the whole batch (the baseline of a pipeline's speed-up)."""
-    variables = [v for st in stages for v in st.params]
-
-    def run():
-        with tf.device(stages[0].device), tf.GradientTape() as tape:
-            h = x
-            for st in stages:
-                h = st.fn(st.params, h)
-            loss = tf.reduce_mean(squared_error(y, h))
-        return [g.numpy() for g in tape.gradient(loss, variables)][:1]
-
-    return run
-
-
 def make_batch(m: int, microbatch: int = 64, width: int = 512):
     """A reproducible batch of ``m`` micro-batches of ``microbatch`` rows for ``square_stages``."""
     rng = np.random.default_rng(m)
     return (tf.constant(rng.normal(size=(m * microbatch, width)).astype(np.float32)),
             tf.zeros((m * microbatch, width)))
+
+
+def _timed_run(stages, schedule, x, y, m):
+    """``(wall seconds, run)`` of one ``run_schedule`` call: the clock every side of a
+    comparison is read by (the call from entry to return, threads started and joined)."""
+    start = time.perf_counter()
+    run = pe.run_schedule(stages, schedule, x, y, squared_error, m)
+    return time.perf_counter() - start, run
+
+
+def _busy(run) -> float:
+    """Seconds the run's devices were busy, summed over devices."""
+    return sum(e - s for log in run.log for _, s, e in log)
 
 
 def measure_bubble(devices: Sequence[str], microbatches: Sequence[int] = (1, 2, 4, 8, 16),
@@ -98,48 +95,56 @@ def measure_bubble(devices: Sequence[str], microbatches: Sequence[int] = (1, 2, 
                    baselines: Sequence[int] | None = None) -> dict:
     """Run the pipeline of ``square_stages`` for each number of micro-batches (fixed micro-batch
     size) and return, per ``m``: the measured idle fraction of each device (median over
-    ``repeat`` runs), the formula's, the step time (first task start to last task end), the peak
-    stash per stage, the median task times, and two baselines on one device: the same
-    micro-batches through all layers (``one_device_s``) and the whole batch at once
-    (``whole_batch_s``). Every side gets one warm-up run; the pipeline and its baselines take
-    turns, ``repeat`` times, so a load that comes and goes hits all of them; each step time is
-    the best of its runs (interference only adds time, so the shortest run is the steadiest
-    estimate of what each side can do: with the median of two, one micro-batch, which cannot
-    overlap, showed "speed-ups" from 0.85x to 1.17x on a quiet machine). Also per ``m``:
-    ``replay``, the idle share of the same run replayed from each task's own measured duration
-    (``replay_idle``), and ``gap_ms``, the mean time a task waited after it could have started
-    (``handoff_gaps``): measured idle = replay + the executor's hand-offs; ``run``, the run
-    those two come from. ``baselines``: the ``m`` whose one-device baselines are timed (default
-    all; the others get ``None``)."""
-    make = {"gpipe": pl.gpipe_schedule, "1f1b": pl.one_f_one_b_schedule}[schedule]
+    ``repeat`` runs), the formula's, the step time, the peak stash per stage, the median task
+    times, and two baselines on one device running the same layers (one stage holding them
+    all): the same micro-batches one after another (``one_device_s``) and the whole batch as
+    one micro-batch (``whole_batch_s``).
+
+    One clock for every side: each side is one ``run_schedule`` call of the same executor, timed
+    from entry to return (``_timed_run``), so at ``m = 1`` the three sides run the same work and
+    differ only by the pipeline's hand-off between devices. Every side gets one warm-up run;
+    the sides take turns, ``repeat`` times, so a load that comes and goes hits all of them;
+    each step time is the best of its runs (interference only adds time). ``busy_s`` and
+    ``one_busy_s``: the seconds the devices were busy, summed over devices, in the pipeline's
+    fastest run and the one-device run on the same micro-batches: their ratio is how much
+    longer the same tasks took when two devices ran at once (contention for cores, caches and
+    memory bandwidth, which an idle share read from busy intervals counts as busy). Also per
+    ``m``: ``replay``, the idle share of the fastest run replayed from each task's own measured
+    duration (``replay_idle``), and ``gap_ms``, the mean time a task waited after it could have
+    started (``handoff_gaps``); ``run``, that run. ``schedule``: ``"gpipe"``, ``"1f1b"`` or
+    ``"zb-h1"``. ``baselines``: the ``m`` whose one-device baselines are timed (default all;
+    the others get ``None``)."""
+    checks.one_of("schedule", schedule, ("gpipe", "1f1b", "zb-h1"))
     stages = square_stages(devices[:len(balance)], balance, width, traced=traced)
     one = square_stages(devices[:1], [sum(balance)], width, traced=traced)  # on one device
     p, out = len(balance), {}
     for m in microbatches:
         x, y = make_batch(m, microbatch, width)
-        sched = make(m, p)
-        alone_sched = pl.gpipe_schedule(m, 1)
-        timed = baselines is None or m in baselines
-        pe.run_schedule(stages, sched, x, y, squared_error, m)  # warm-up, both sides
-        if timed:
-            pe.run_schedule(one, alone_sched, x, y, squared_error, m)
-            whole_step = one_device_step(stages, x, y)
-            whole_step()
-        runs, alone, whole = [], [], []
+        sides = {"pipe": (stages, pl.make_schedule(schedule, m, p), m)}
+        if baselines is None or m in baselines:
+            sides["alone"] = (one, pl.gpipe_schedule(m, 1), m)
+            sides["whole"] = (one, pl.gpipe_schedule(1, 1), 1)
+        for st, sched, k in sides.values():  # the same warm-up for every side
+            _timed_run(st, sched, x, y, k)
+        timed: dict[str, list] = {side: [] for side in sides}
         for _ in range(repeat):
-            runs.append(pe.run_schedule(stages, sched, x, y, squared_error, m))
-            if timed:
-                alone.append(pe.run_schedule(one, alone_sched, x, y, squared_error, m))
-                whole.append(timing.time_fn(whole_step, repeat=1, warmup=0))
+            for side, (st, sched, k) in sides.items():
+                timed[side].append(_timed_run(st, sched, x, y, k))
+        runs = [r for _, r in timed["pipe"]]
         idle = np.median([pe.measured_idle_fractions(r) for r in runs], axis=0)
-        best = min(runs, key=_span)
-        out[m] = {"measured": [float(v) for v in idle], "formula": pl.bubble_fraction(m, p),
+        wall, best = min(timed["pipe"], key=lambda t: t[0])
+        alone = min(timed["alone"], key=lambda t: t[0]) if "alone" in timed else None
+        out[m] = {"measured": [float(v) for v in idle],
+                  "formula": pl.bubble_fraction(m, p, schedule=schedule)
+                  if schedule != "zb-h1" or m >= p else None,
                   "replay": float(np.mean(replay_idle(best))),
                   "gap_ms": float(np.mean(handoff_gaps(best))) * 1e3,
-                  "step_s": min(_span(r) for r in runs), "peak_stash": runs[-1].peak_stash,
-                  "task_s": _task_times(runs[-1]),
-                  "one_device_s": min(_span(r) for r in alone) if timed else None,
-                  "whole_batch_s": min(whole) if timed else None, "run": best}
+                  "step_s": wall, "peak_stash": runs[-1].peak_stash,
+                  "task_s": _task_times(runs[-1]), "busy_s": _busy(best),
+                  "one_busy_s": _busy(alone[1]) if alone else None,
+                  "one_device_s": alone[0] if alone else None,
+                  "whole_batch_s": min(t for t, _ in timed["whole"]) if alone else None,
+                  "run": best}
     return out
 
 
@@ -359,8 +364,10 @@ def measure_keras_bubble(devices: Sequence[str], microbatches: Sequence[int] = (
     over devices, from each device's busy intervals; the best of ``repeat`` runs after one
     warm-up, interference only adding idle time) next to (p-1)/(vm+p-1), the same run
     replayed from its tasks' own durations (``replay_idle``: what unequal task times explain;
-    the rest is the executor's hand-offs), and the median
-    forward task time (the goal: at least 10 ms, so that Python's per-task cost is small)."""
+    the rest is the executor's hand-offs), the median task times per phase (F, B and, for
+    ``"zb-h1"``, W), the step time (the best of the runs, each timed from the call of
+    ``run_step`` to its return: the same clock for every schedule) and the examples per
+    second it gives."""
     import keras
 
     from accel.parallel.pipeline_exec import Pipeline
@@ -383,12 +390,19 @@ def measure_keras_bubble(devices: Sequence[str], microbatches: Sequence[int] = (
                             balance="bytes" if functional else "count")
             x, y = make_batch(m, microbatch, width)
             pipe.run_step(x, y)  # warm-up
-            runs = [pipe.run_step(x, y) for _ in range(repeat)]
+            runs, walls = [], []
+            for _ in range(repeat):  # each step timed from the call to its return
+                start = time.perf_counter()
+                runs.append(pipe.run_step(x, y))
+                walls.append(time.perf_counter() - start)
             idle = [float(np.mean(pe.measured_idle_fractions(r))) for r in runs]
             best = runs[int(np.argmin(idle))]
-            rows[m] = {"measured": min(idle), "formula": pl.bubble_fraction(m, p, chunks),
+            kind = "zb-h1" if name == "zb-h1" else "1f1b"
+            rows[m] = {"measured": min(idle),
+                       "formula": pl.bubble_fraction(m, p, chunks, schedule=kind),
                        "replay": float(np.mean(replay_idle(best, p * chunks))),
-                       "task_s": _task_times(runs[-1]), "step_s": min(_span(r) for r in runs)}
+                       "task_s": _task_times(runs[-1]), "step_s": min(walls),
+                       "examples_s": m * microbatch / min(walls)}
         out[f"{name} v={chunks}"] = rows
     return out
 
@@ -541,6 +555,30 @@ def bench_overhead(device_names: Sequence[str], quick: bool = False) -> dict:
     return {"step_s": step_s, **report, "ceiling": measured.value}
 
 
+def format_timeline(logs, title: str | None = None) -> str:
+    """A timeline from ``pipeline.simulate`` with whole-tick durations as text: one row per
+    device, one column per tick, a task of ``k`` ticks written in each of its ``k`` columns
+    (``B0 B0``: a backward of two ticks), ``.`` where the device idles; ``title`` on a line
+    above. ``ValueError`` if a start or end time is not a whole number of ticks."""
+    ends = [e for log in logs for *_, e in log]
+    if not ends:
+        raise ValueError("logs hold no task")
+    cells = [["."] * round(max(ends)) for _ in logs]
+    for d, log in enumerate(logs):
+        for (_, mb, phase), start, end in log:
+            if start != round(start) or end != round(end):
+                raise ValueError(f"task {(phase, mb)} runs from {start} to {end}: "
+                                 "durations must be whole ticks")
+            for t in range(round(start), round(end)):
+                cells[d][t] = f"{phase}{mb}"
+    width = max(len(c) for row in cells for c in row)
+    lines = [] if title is None else [title]
+    lines.append("tick    " + " ".join(f"{t:>{width}d}" for t in range(len(cells[0]))))
+    lines += [f"stage {d:<2d}" + " ".join(f"{c:>{width}s}" for c in row)
+              for d, row in enumerate(cells)]
+    return "\n".join(lines)
+
+
 _TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1"}
 
 
@@ -587,11 +625,28 @@ def _simulated_span(orders, durations) -> float:
     return max(e for log in logs for *_, e in log)
 
 
-def exercise_answers() -> dict[int, float]:
+def _forwards_before_backward(order) -> int:
+    return next(k for k, task in enumerate(order) if task[2] != "F")
+
+
+def _smallest_interleaved_m(start: int, num_stages: int, num_chunks: int) -> int:
+    m = start
+    while True:
+        try:
+            pl.interleaved_orders(m, num_stages, num_chunks)
+            return m
+        except ValueError:
+            m += 1
+
+
+def exercise_answers() -> dict[int, float | list[int]]:
     """What the exercises' runs give: 1, the tensors interleaved 1F1B (p = 4, v = 2, m = 8)
     sends across devices in one batch; 2, the simulated step time of 1F1B (p = 4, m = 16, F = 1,
     B = 2) with stage 1 twice as slow, over the balanced one; 3, GPipe with recomputation (each
-    backward runs the forward again: B = 3) over 1F1B, simulated with the same times."""
+    backward runs the forward again: B = 3) over 1F1B, simulated with the same times; 4, the
+    forwards each device runs before its first backward in interleaved 1F1B (p = 4, v = 2,
+    m = 8), counted on ``pipeline.interleaved_orders``; 5, the fewest micro-batches, at least
+    6, that interleaved 1F1B with p = 4, v = 2 accepts."""
     def unit(task):
         return 2.0 if task[2] == "B" else 1.0
 
@@ -600,22 +655,36 @@ def exercise_answers() -> dict[int, float]:
     recompute = _simulated_span(pl.gpipe_orders(16, 4), lambda t: 3.0 if t[2] == "B" else 1.0)
     return {1: count_messages(pl.interleaved_schedule(8, 4, 2), 4),
             2: slow / _simulated_span(orders, unit),
-            3: recompute / _simulated_span(orders, unit)}
+            3: recompute / _simulated_span(orders, unit),
+            4: [_forwards_before_backward(o) for o in pl.interleaved_orders(8, 4, 2)],
+            5: _smallest_interleaved_m(6, 4, 2)}
 
 
 def check_exercise(number: int, answer) -> str:
     """The chapter's exercise checks: ``"not answered yet"`` for ``None`` or ``...``, else
-    ``"correct"`` or a hint (the answers: ``exercise_answers``; a number within 0.02)."""
-    checks.one_of("number", number, (1, 2, 3))
+    ``"correct"`` or a hint (the answers: ``exercise_answers``; a number within 0.02; for
+    exercise 4 a list of four whole numbers, device 0 first)."""
+    checks.one_of("number", number, (1, 2, 3, 4, 5))
     if answer is None or answer is Ellipsis:
         return f"exercise {number}: not answered yet"
     want = exercise_answers()[number]
-    if isinstance(answer, bool) or not isinstance(answer, int | float):
-        return f"exercise {number}: give a number"
-    if abs(answer - want) <= 0.02:
-        return f"exercise {number}: correct"
     hints = {1: "count the boundaries between consecutive virtual stages: each micro-batch "
                 "crosses every one twice (forward and backward)",
              2: "the slow stage runs every micro-batch: it sets the pace, the others wait",
-             3: "recomputation adds one forward to every backward; 1F1B adds nothing"}
+             3: "recomputation adds one forward to every backward; 1F1B adds nothing",
+             4: "the warm-up forwards are 2(p - d - 1) + (v - 1)p on device d; the steady "
+                "state then starts with one more forward before its first backward",
+             5: "a device runs chunk 0 for p micro-batches, then chunk 1 for the same p: the "
+                "micro-batches go through in groups of p"}
+    if number == 4:
+        if not (isinstance(answer, list | tuple) and len(answer) == 4
+                and all(isinstance(a, int) and not isinstance(a, bool) for a in answer)):
+            return f"exercise {number}: give a list of four whole numbers, device 0 first"
+        ok = list(answer) == want
+    else:
+        if isinstance(answer, bool) or not isinstance(answer, int | float):
+            return f"exercise {number}: give a number"
+        ok = abs(answer - want) <= 0.02
+    if ok:
+        return f"exercise {number}: correct"
     return f"exercise {number}: not quite ({hints[number]})"

@@ -7,8 +7,10 @@ from accel.course.pipeline import (
     check_exercise,
     count_messages,
     dependency_check,
+    format_timeline,
     handoff_gaps,
     make_batch,
+    measure_bubble,
     overhead_report,
     overlap_share,
     replay_idle,
@@ -20,7 +22,7 @@ from accel.training import squared_error
 
 
 def test_chapter_10_exercise_solutions():
-    for n in (1, 2, 3):
+    for n in (1, 2, 3, 4, 5):
         assert check_exercise(n, None) == f"exercise {n}: not answered yet"
         assert check_exercise(n, ...) == f"exercise {n}: not answered yet"
     assert check_exercise(1, 112) == "exercise 1: correct"        # 2 * 8 * (4 * 2 - 1)
@@ -30,6 +32,47 @@ def test_chapter_10_exercise_solutions():
     assert check_exercise(3, 4 / 3) == "exercise 3: correct"
     assert check_exercise(3, 1.0).startswith("exercise 3: not quite")
     assert check_exercise(3, "4/3") == "exercise 3: give a number"
+    # interleaved 1F1B, p = 4, v = 2: warm-up 2(p - d - 1) + (v - 1)p (Narayanan et al. 2021,
+    # section 2.2) forwards, then the steady state's first forward, then the first backward
+    assert check_exercise(4, [2 * (4 - d - 1) + 4 + 1 for d in range(4)]) == "exercise 4: correct"
+    assert check_exercise(4, [11, 9, 7, 5]) == "exercise 4: correct"
+    assert check_exercise(4, [10, 8, 6, 4]).startswith("exercise 4: not quite")
+    assert check_exercise(4, 11) == "exercise 4: give a list of four whole numbers, device 0 first"
+    assert check_exercise(5, 8) == "exercise 5: correct"      # the next multiple of p = 4
+    assert check_exercise(5, 6).startswith("exercise 5: not quite")
+
+
+def test_interleaved_needs_a_multiple_of_p():
+    with pytest.raises(ValueError, match="multiple of num_stages"):
+        pl.interleaved_orders(6, 4, 2)
+    assert len(pl.interleaved_orders(8, 4, 2)) == 4
+
+
+def test_format_timeline_matches_the_clock_for_unit_tasks():
+    # with every task one tick, simulate places the orders as clock_schedule does: the text
+    # must be format_schedule's
+    logs = pl.simulate(pl.one_f_one_b_orders(4, 2), lambda task: 1)
+    assert format_timeline(logs) == pl.format_schedule(pl.one_f_one_b_schedule(4, 2), 2)
+    two = pl.simulate([[(0, 0, "F"), (0, 0, "B")]], lambda t: 2 if t[2] == "B" else 1)
+    assert format_timeline(two, "t").splitlines() == ["t", "tick     0  1  2",
+                                                      "stage 0 F0 B0 B0"]
+    with pytest.raises(ValueError, match="whole ticks"):
+        format_timeline(pl.simulate([[(0, 0, "F")]], lambda t: 0.5))
+    with pytest.raises(ValueError, match="no task"):
+        format_timeline([[]])
+
+
+def test_measure_bubble_one_clock(four_devices):
+    # at m = 1 the three sides run the same work; each is one run_schedule call; busy times
+    # are sums of logged task durations, so never above the wall time times the devices
+    r = measure_bubble(four_devices[:2], microbatches=(1, 2), balance=(1, 1), width=8,
+                       microbatch=4, repeat=1, schedule="zb-h1", baselines=(1,))
+    assert r[1]["formula"] is None and r[2]["formula"] == pytest.approx(1 / 7)
+    assert r[2]["one_device_s"] is None and set(r[2]["task_s"]) == {"F", "B", "W"}
+    one = r[1]
+    assert one["busy_s"] <= 2 * one["step_s"] and one["one_busy_s"] <= one["one_device_s"]
+    with pytest.raises(ValueError, match="schedule"):
+        measure_bubble(four_devices[:2], microbatches=(1,), schedule="interleaved")
 
 
 def test_messages_and_recorded_dependencies(four_devices):
