@@ -7,6 +7,7 @@ data), the layouts ranked first under each assumption the model cannot settle
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -199,10 +200,20 @@ def first_layouts(case: str = "39.1B on 8 DGX A100",
     ``ASSUMPTIONS``: a dict of ``rank_plans`` keyword arguments that override the search)."""
     if case not in CASES:
         raise ValueError(f"case must be one of {sorted(CASES)}, got {case!r}")
-    assumptions = ASSUMPTIONS if assumptions is None else assumptions
+    if assumptions is None:  # the four rankings take seconds: computed once per case
+        return dict(_first_layouts_default(case))
     if not isinstance(assumptions, dict) or not assumptions:
         raise ValueError(f"assumptions must be a non-empty dict of name -> rank_plans "
                          f"arguments, got {assumptions!r}")
+    return _first_layouts(case, assumptions)
+
+
+@functools.cache
+def _first_layouts_default(case: str) -> tuple:
+    return tuple(_first_layouts(case, ASSUMPTIONS).items())
+
+
+def _first_layouts(case: str, assumptions: dict) -> dict[str, tuple[int, int, int]]:
     model, cluster, batch = CASES[case]
     out = {}
     for name, args in assumptions.items():
