@@ -9,22 +9,19 @@ model-parallel`` benchmark.
   Sutskever & Hinton 2012) or by channels at every layer, the bytes that cross devices in one
   SGD step (``split_bytes``, from the partition graphs) and the share of a traced step during
   which both devices worked (``split_overlap``);
-* ``rnn_forward(devices, mode)``: a stacked RNN, layer ``l`` on device ``l``, unrolled over time;
-  ``mode="layer after layer"`` adds control edges so layer ``l`` waits for all of layer ``l-1``;
-  ``wavefront_limit(T, L)`` the most the wavefront can gain;
-* ``measure_wavefront()``: split and one-device variants timed alike in a fresh process with
-  two devices and one intra-op thread (a process's thread pools are fixed at start-up), with
-  the traced overlap, the limit and that process's ceiling (``format_wavefront`` prints them);
-* ``gpu_capacities()``, ``smallest_gpu(gb)``: the data-sheet memory of today's GPUs
-  (``accel.costmodel.hardware.MEMORY_GB``) and the smallest that holds ``gb`` within the
-  planner's ``MEMORY_BUDGET``; ``memory_rows()`` a 7B-class transformer split over 1-8 GPUs
-  (``accel.costmodel.planner.memory_per_device``), attention scores kept or fused, with and
-  without full recomputation; ``time_rows()`` naive model parallelism's step on H100s;
+* ``rnn_forward(devices, mode)``: a stacked RNN, layer ``l`` on device ``l``; ``mode="layer
+  after layer"`` makes layer ``l`` wait for all of layer ``l-1``; ``wavefront_limit(T, L)`` the
+  cell count ``T L / (T + L - 1)``; ``measure_wavefront()`` the variants timed alike in a fresh
+  process with one intra-op thread, with the traced overlap, the count and the ceiling;
+* ``gpu_capacities()``, ``smallest_gpu(gb)``: today's GPUs' data-sheet memory and the smallest
+  that holds ``gb`` within ``MEMORY_BUDGET``; ``memory_rows()`` a 7B-class transformer over 1-8
+  GPUs (``planner.memory_per_device``) under each of ``MEMORY_CASES``; ``time_rows()`` naive
+  model parallelism's step on H100s;
 * ``memory_per_device(model)``: weights, gradients and Adam slots on each device, split vs data
   parallel (chapter 04's estimate over the variables each device holds);
 * ``bench``: split step vs one device (4 and 2 devices), idle fractions next to (p-1)/p, the
-  wavefront against one device and the limit, and the ceiling;
-* the exercises' checks: ``check_bytes``, ``check_embedding_split``, ``check_skip_cut``,
+  wavefront against one device and the cell count, and the ceiling;
+* the exercises' checks: ``check_cut``, ``check_embedding_split``, ``check_skip_cut``,
   ``check_stage_memory``.
 """
 
@@ -51,15 +48,14 @@ from accel.training import squared_error
 __all__ = ["TRACE_SIZES", "RNN", "naive_trace", "figure_timeline", "WAVEFRONT_MODES",
            "WAVEFRONT_ROWS", "wavefront_limit", "wavefront_grid", "rnn_forward", "overlap_of",
            "rnn_overlap", "wavefront_times", "measure_wavefront", "format_wavefront",
-           "max_relative_difference", "memory_per_device", "format_memory",
-           "split_vs_single", "bench", "GPUS", "gpu_capacities", "format_capacities",
-           "smallest_gpu", "EXAMPLE", "memory_rows", "format_memory_rows", "time_rows",
-           "EXERCISE_SIZES", "check_bytes", "EMBEDDING_EXERCISE", "embedding_costs",
-           "check_embedding_split", "skip_model", "check_skip_cut", "STAGE_EXERCISE",
-           "check_stage_memory", "SPLIT_BATCH", "DENSE_WIDTH", "DENSE_LAYERS", "CNN_LAYERS",
-           "TOWER_CROSSINGS", "CNN_INPUT", "dense_by_layers", "dense_by_neurons",
-           "two_tower_cnn", "cnn_by_layers", "SPLITS", "split_bytes", "split_overlap",
-           "count_splits", "format_splits"]
+           "max_relative_difference", "memory_per_device", "format_memory", "split_vs_single",
+           "bench", "GPUS", "gpu_capacities", "format_capacities", "smallest_gpu", "EXAMPLE",
+           "memory_rows", "format_memory_rows", "time_rows", "CUT_SIZES", "CUT_BATCH", "cut_table",
+           "check_cut", "EMBEDDING_EXERCISE", "embedding_costs", "check_embedding_split",
+           "skip_model", "check_skip_cut", "STAGE_EXERCISE", "check_stage_memory", "SPLIT_BATCH",
+           "DENSE_WIDTH", "DENSE_LAYERS", "CNN_LAYERS", "TOWER_CROSSINGS", "CNN_INPUT",
+           "dense_by_layers", "dense_by_neurons", "two_tower_cnn", "cnn_by_layers", "SPLITS",
+           "split_bytes", "split_overlap", "count_splits", "format_splits"]
 
 
 TRACE_SIZES = (256, 512, 512, 512, 512, 512, 512, 512, 64)  # 8 layers
@@ -111,19 +107,17 @@ WAVEFRONT_MODES = ("wavefront", "layer after layer")
 
 
 def wavefront_limit(steps: int, layers: int = 2) -> float:
-    """The most a wavefront can gain over running the same cells one after another (layer after
-    layer): ``layers`` layers of ``steps`` time steps, one layer per device, every cell the same
-    work, free transfers. Layer after layer takes ``steps x layers`` cell times; the wavefront
-    runs in ``steps + layers - 1`` waves: ``T L / (T + L - 1)`` (``2T / (T + 1)`` for two
-    layers)."""
+    """What a wavefront gains over running the same cells one after another when every cell
+    costs the same in both runs (``layers`` layers of ``steps`` steps, one layer per device,
+    free transfers): ``T L`` cell times against ``T + L - 1`` waves, ``T L / (T + L - 1)``. A
+    count, not a bound: a run whose cells cost more alone than beside another lands above it."""
     checks.positive_int("steps", steps)
     checks.positive_int("layers", layers)
     return steps * layers / (steps + layers - 1)
 
 
 def wavefront_grid(steps: int, layers: int = 2) -> str:
-    """The wavefront as a table: one row per layer (device), one column per wave, ``tK`` where
-    the layer works on time step ``K``."""
+    """The wavefront as a table: a row per layer (device), a column per wave, ``tK``: step K."""
     checks.positive_int("steps", steps)
     checks.positive_int("layers", layers)
     rows = []
@@ -138,11 +132,10 @@ def wavefront_grid(steps: int, layers: int = 2) -> str:
 def rnn_forward(device_names: Sequence[str], mode: str = "wavefront", layers: int = 2,
                 seed: int = 0):
     """A ``tf.function`` running a stacked tanh RNN (plain ops) over a sequence
-    ``[steps, batch, hidden]``; layer ``l`` on ``device_names[l]`` (the same name twice: both
-    layers on one device). Each cell is one matmul, ``h_t = tanh([x_t, h_{t-1}] @ W)``, so a
-    layer's cells run strictly one after another. ``mode="layer after layer"`` makes layer
-    ``l``'s first cell wait for layer ``l-1``'s last output (control edges on that cell's ops
-    only, no extra ops): through the chain of ``h``, the whole layer then waits."""
+    ``[steps, batch, hidden]``; layer ``l`` on ``device_names[l]`` (a name twice: one device).
+    Each cell is one matmul, ``h_t = tanh([x_t, h_{t-1}] @ W)``: a layer's cells run in order.
+    ``mode="layer after layer"``: layer ``l``'s first cell waits for layer ``l-1``'s last output
+    (control edges on that cell's ops only): through the chain of ``h``, the whole layer waits."""
     checks.one_of("mode", mode, WAVEFRONT_MODES)
     if len(device_names) != layers:
         raise ValueError(f"give one device per layer: {layers} layers, {list(device_names)}")
@@ -264,7 +257,8 @@ def measure_wavefront(rounds: int = 5, repeat: int = 3, timeout: float = 180) ->
     devices of a process share one intra-op pool, so with one thread a matmul runs on the
     thread that runs it, and two ops run at once only when the executor dispatches them on two
     inter-op threads. Adds the ceiling measured in that process (the higher of before and
-    after the timings, with the other processes' load then) and the limit (``wavefront_limit``)."""
+    after the timings, with the other processes' load then) and the cell count
+    (``wavefront_limit``)."""
     out = procs.run_python(_CHILD.format(rounds=rounds, repeat=repeat), timeout=timeout,
                            warm=True)
     line = next((ln for ln in out.splitlines() if ln.startswith("ACCEL_RESULT")), None)
@@ -278,7 +272,7 @@ def measure_wavefront(rounds: int = 5, repeat: int = 3, timeout: float = 180) ->
 def format_wavefront(w: dict) -> str:
     """``measure_wavefront``'s result, every time from one process and one clock: the four
     times, each against one device running the layers one after another (what a GPU's single
-    in-order stream does), the split against one device with free dataflow, the limit, the
+    in-order stream does), the split against one device with free dataflow, the cell count, the
     share of the traced runs in which both devices had an op in flight, and that process's
     ceiling."""
     base = w["one device, layer after layer"]
@@ -286,7 +280,7 @@ def format_wavefront(w: dict) -> str:
              for k in WAVEFRONT_ROWS]
     lines.append(f"split wavefront vs one device with free dataflow: "
                  f"{w['one device, free dataflow'] / w['split, wavefront']:.2f}x")
-    lines.append(f"limit over layer after layer, T L / (T + L - 1), T = {RNN['steps']}, L = 2: "
+    lines.append(f"cell count T L / (T + L - 1), T = {RNN['steps']}, L = 2: "
                  f"{w['limit']:.2f}x")
     for m in WAVEFRONT_MODES:
         t = w[f"traced {m}"]
@@ -345,13 +339,7 @@ def split_vs_single(device_names: Sequence[str], n: int, sizes: Sequence[int] = 
     single = make_single_step(models.mlp_apply, squared_error, models.mlp_init(list(sizes)),
                               0.01, device_names[0])
     steps = {"single": lambda: single(x, y).numpy(), "split": lambda: split(x, y).numpy()}
-    samples: dict[str, list[float]] = {k: [] for k in steps}
-    for fn in steps.values():
-        fn()
-    for _ in range(rounds):
-        for k, fn in steps.items():
-            samples[k].append(timing.time_fn(fn, repeat=repeat, warmup=0))
-    return {k: float(np.median(v)) for k, v in samples.items()}
+    return timing.interleaved_medians(steps, rounds=rounds, repeat=repeat, warmup=1)
 
 
 def bench(device_names: Sequence[str], quick: bool = False) -> dict:
@@ -429,7 +417,8 @@ def _short(gpu: str) -> str:
 EXAMPLE = {"model": pl.Transformer(layers=32, hidden=4096, heads=32, seq=2048, vocab=32000),
            "batch": 8}
 MEMORY_CASES = (  # label -> (recompute, attention)
-    ("scores kept", ("none", "materialized")),
+    ("no recompute", ("none", "materialized")),
+    ("selective", ("selective", "materialized")),
     ("fused attention", ("none", "fused")),
     ("full recompute", ("full", "materialized")),
     ("full + fused", ("full", "fused")))
@@ -456,10 +445,10 @@ def memory_rows(gpus: Sequence[int] = (1, 2, 4, 8), example: dict | None = None)
 def format_memory_rows(rows: list[dict], budget: float = pl.MEMORY_BUDGET) -> str:
     """``memory_rows`` as a table: GB and the smallest GPU that holds it within ``budget``."""
     labels = ["state"] + [label for label, _ in MEMORY_CASES]
-    lines = [f"{'GPUs':>4}  " + "  ".join(f"{k:>19}" for k in labels)]
+    lines = [f"{'GPUs':>4} " + " ".join(f"{k:>18}" for k in labels)]
     for r in rows:
         cells = [f"{r[k]:4.0f} GB {smallest_gpu(r[k], budget):>11}" for k in labels]
-        lines.append(f"{r['gpus']:>4}  " + "  ".join(cells))
+        lines.append(f"{r['gpus']:>4} " + " ".join(cells))
     return "\n".join(lines)
 
 
@@ -474,26 +463,51 @@ def time_rows(gpus: Sequence[int] = (1, 2, 4), device: str = "NVIDIA H100 SXM",
             for link in links for n in gpus]
 
 
-EXERCISE_SIZES = (16, 1024, 1024, 4)
+CUT_SIZES = (16, 1024, 64, 1024, 1024, 4)  # exercise 1's MLP: a narrow layer, then a wide one
+CUT_BATCH = 64
 
 
-def check_bytes(answer, device_names: Sequence[str]) -> str:
-    """Exercise 1: bytes of activations and activation gradients crossing devices in one
-    training step of ``mlp_layers(EXERCISE_SIZES)`` split over 3 devices, batch 64 (labels and
-    loss not counted), checked against the placed graph."""
+def cut_table(device_names: Sequence[str], sizes: Sequence[int] = CUT_SIZES,
+              batch: int = CUT_BATCH) -> list[dict]:
+    """Every cut of ``mlp_layers(sizes)`` over two devices: ``first`` (layers on device 0),
+    ``crossing`` (activation and gradient bytes per step, from the placed graph: labels and loss
+    left out) and each part's ``param_bytes``."""
+    if len(device_names) < 2:
+        raise ValueError(f"cut_table needs 2 devices, got {list(device_names)}")
+    batch = checks.positive_int("batch", batch)
+    layers = mlp_layers(list(sizes))
+    rows = []
+    for first in range(1, len(layers)):
+        part = mp.split(layers, device_names[:2], [sizes[0]],
+                        balance=[first, len(layers) - first])
+        step = mp.make_split_step(part, squared_error, 0.01)
+        moved = [t for t in trace.transfers_of(step, tf.zeros((batch, sizes[0])),
+                                               tf.zeros((batch, sizes[-1])))
+                 if not t.control and t.shape == (batch, sizes[first])]
+        rows.append({"first": first, "crossing": sum(t.nbytes for t in moved),
+                     "param_bytes": [p.param_bytes for p in part.parts]})
+    return rows
+
+
+def check_cut(answer, device_names: Sequence[str]) -> str:
+    """Exercise 1: ``(layers on device 0 of the cut crossing the fewest bytes, whether
+    balance="bytes" picks it)``, checked against ``cut_table`` and ``mp.split``."""
     if answer is None:
-        return "exercise 1: not answered yet (set answer1 to a number of bytes)"
-    part = mp.split(mlp_layers(EXERCISE_SIZES), device_names[:3], [EXERCISE_SIZES[0]])
-    step = mp.make_split_step(part, squared_error, 0.01)
-    x = tf.zeros((64, EXERCISE_SIZES[0]))
-    y = tf.zeros((64, EXERCISE_SIZES[-1]))
-    moved = [t for t in trace.transfers_of(step, x, y)  # activations, not labels or the loss
-             if not t.control and t.shape == (64, EXERCISE_SIZES[1])]
-    counted = sum(t.nbytes for t in moved)
-    if answer == counted:
-        return (f"exercise 1: correct: {len(moved)} tensors of 64 x {EXERCISE_SIZES[1]} x 4 "
-                "bytes: one per boundary each way")
-    return "exercise 1: not quite: count the boundaries, then both directions"
+        return "exercise 1: not answered yet (set answer1 to (layers, True or False))"
+    if not isinstance(answer, (tuple, list)) or len(answer) != 2:
+        return f"exercise 1: not quite: give a pair like (3, True), got {answer!r}"
+    first, same, rows = answer[0], answer[1], cut_table(device_names)
+    best = min(rows, key=lambda r: r["crossing"])
+    by_bytes = mp.split(mlp_layers(list(CUT_SIZES)), device_names[:2], [CUT_SIZES[0]],
+                        balance="bytes").balance[0]
+    table = "; ".join(f"{r['first']} | {len(rows) + 1 - r['first']}: {r['crossing']} B crossing, "
+                      f"parts {r['param_bytes'][0]:,} / {r['param_bytes'][1]:,} param bytes"
+                      for r in rows)
+    if first != best["first"]:
+        return "exercise 1: not quite: which activation between two layers is the smallest?"
+    if bool(same) != (by_bytes == best["first"]):
+        return "exercise 1: not quite: the cut is right; now add up each part's parameter bytes"
+    return f"exercise 1: correct: cuts (layers per device): {table}"
 
 
 EMBEDDING_EXERCISE = {"vocab": 131072, "hidden": 4096, "blocks": 32, "stages": 4}

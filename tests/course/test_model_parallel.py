@@ -65,10 +65,14 @@ def test_wavefront_limit_by_hand():
 
 
 def test_exercise_solutions(four_devices):
-    assert "not answered yet" in course.check_bytes(None, four_devices)
-    # 2 boundaries x [64, 1024] float32 x (forward + backward)
-    assert "correct" in course.check_bytes(2 * 2 * 64 * 1024 * 4, four_devices)
-    assert "not quite" in course.check_bytes(64 * 1024 * 4, four_devices)
+    # exercise 1: the cut after the 64-wide layer (2 layers on the first device) crosses
+    # 16x fewer bytes than the others, but leaves the 1024 x 1024 layer and most parameters
+    # on the second device; balance="bytes" cuts after 3 layers
+    assert "not answered yet" in course.check_cut(None, four_devices)
+    assert "correct" in course.check_cut((2, False), four_devices)
+    assert "not quite" in course.check_cut((2, True), four_devices)
+    assert "not quite" in course.check_cut((3, False), four_devices)
+    assert "not quite" in course.check_cut(2, four_devices)
     # exercise 2: the projection costs V / 12h = 8/3 blocks; 32 + 8/3 block-times over 4 stages:
     # no stage can take fewer than 9 (three stages of at most 8 leave 8 blocks + the projection)
     assert "not answered yet" in course.check_embedding_split(None)
@@ -129,7 +133,9 @@ def test_memory_rows_by_hand():
     sbh, state = s * b * h, 16 * params
     row = course.memory_rows(gpus=(1,))[0]
     assert row["state"] == pytest.approx(state / 1e9)
-    assert row["scores kept"] == pytest.approx((state + n * sbh * (34 + 5 * a * s / h)) / 1e9)
+    assert row["no recompute"] == pytest.approx((state + n * sbh * (34 + 5 * a * s / h)) / 1e9)
+    # selective recomputation drops the 5as/h term (Korthikanti et al. Table 2): 34 sbh
+    assert row["selective"] == pytest.approx((state + n * sbh * 34) / 1e9)
     assert row["fused attention"] == pytest.approx((state + n * sbh * (34 + 4 * a / h)) / 1e9)
     # full recomputation: every layer's input, plus one layer's whole set while it reruns
     assert row["full recompute"] == pytest.approx(
@@ -137,6 +143,19 @@ def test_memory_rows_by_hand():
     two = course.memory_rows(gpus=(2,))[0]  # 16 layers and the embedding on the first GPU
     first = 16 * (12 * h * h + 13 * h) + (32000 + s) * h
     assert two["state"] == pytest.approx(16 * first / 1e9)
+
+
+def test_cut_table_by_hand(four_devices):
+    rows = course.cut_table(four_devices)
+    widths = course.CUT_SIZES[1:-1]  # the activation after each cut: [64, width] both ways
+    assert [r["crossing"] for r in rows] == [2 * 64 * w * 4 for w in widths]
+    per_layer = [(a * b + b) * 4 for a, b in zip(course.CUT_SIZES, course.CUT_SIZES[1:],
+                                                   strict=False)]
+    for r in rows:
+        k = r["first"]
+        assert r["param_bytes"] == [sum(per_layer[:k]), sum(per_layer[k:])]
+    with pytest.raises(ValueError, match="2 devices"):
+        course.cut_table(four_devices[:1])
 
 
 def test_time_rows_by_hand():
