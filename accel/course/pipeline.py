@@ -94,26 +94,27 @@ def measure_bubble(devices: Sequence[str], microbatches: Sequence[int] = (1, 2, 
                    repeat: int = 2, schedule: str = "gpipe", traced: bool = True,
                    baselines: Sequence[int] | None = None) -> dict:
     """Run the pipeline of ``square_stages`` for each number of micro-batches (fixed micro-batch
-    size) and return, per ``m``: the measured idle fraction of each device (median over
-    ``repeat`` runs), the formula's, the step time, the peak stash per stage, the median task
-    times, and two baselines on one device running the same layers (one stage holding them
-    all): the same micro-batches one after another (``one_device_s``) and the whole batch as
-    one micro-batch (``whole_batch_s``).
+    size) and return, per ``m``, figures that all come from ONE pipeline run, the fastest of
+    ``repeat`` (``run``): ``step_s``, its time from call to return; ``measured``, each device's
+    idle share read from the busy intervals it logged; ``replay``, the same run replayed by
+    ``pipeline.simulate`` from each task's own logged duration, in the order each device ran
+    them, with no time between tasks (``replay_idle``): what separates it from ``measured`` is
+    the executor's hand-offs; ``gap_ms``, the mean time a task of that run waited after it could
+    have started (an event set, a thread woken, Python's interpreter lock taken:
+    ``handoff_gaps``); ``task_s``, that run's median task time per phase; ``peak_stash``; and
+    ``formula``, the schedule's bubble.
 
-    One clock for every side: each side is one ``run_schedule`` call of the same executor, timed
-    from entry to return (``_timed_run``), so at ``m = 1`` the three sides run the same work and
-    differ only by the pipeline's hand-off between devices. Every side gets one warm-up run;
-    the sides take turns, ``repeat`` times, so a load that comes and goes hits all of them;
-    each step time is the best of its runs (interference only adds time). ``busy_s`` and
-    ``one_busy_s``: the seconds the devices were busy, summed over devices, in the pipeline's
-    fastest run and the one-device run on the same micro-batches: their ratio is how much
-    longer the same tasks took when two devices ran at once (contention for cores, caches and
-    memory bandwidth, which an idle share read from busy intervals counts as busy). Also per
-    ``m``: ``replay``, the idle share of the fastest run replayed from each task's own measured
-    duration (``replay_idle``), and ``gap_ms``, the mean time a task waited after it could have
-    started (``handoff_gaps``); ``run``, that run. ``schedule``: ``"gpipe"``, ``"1f1b"`` or
-    ``"zb-h1"``. ``baselines``: the ``m`` whose one-device baselines are timed (default all;
-    the others get ``None``)."""
+    Baselines on one device, the same layers as one stage: the same micro-batches one after
+    another (``one_device_s``) and the whole batch as one micro-batch (``whole_batch_s``), each
+    the fastest of its runs. One clock for every side: each side is one ``run_schedule`` call of
+    the same executor, timed from entry to return (``_timed_run``), so at ``m = 1`` the three
+    sides run the same work. Every side gets one warm-up run; the sides take turns, ``repeat``
+    times, so a load that comes and goes hits all of them. ``busy_s`` and ``one_busy_s``: the
+    seconds the devices were busy, summed over devices, in the pipeline's run and in the
+    one-device run on the same micro-batches: their ratio is how much longer the same tasks took
+    when two devices ran at once (which an idle share read from busy intervals counts as busy).
+    ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"zb-h1"``. ``baselines``: the ``m`` whose
+    one-device baselines are timed (default all; the others get ``None``)."""
     checks.one_of("schedule", schedule, ("gpipe", "1f1b", "zb-h1"))
     stages = square_stages(devices[:len(balance)], balance, width, traced=traced)
     one = square_stages(devices[:1], [sum(balance)], width, traced=traced)  # on one device
@@ -130,17 +131,15 @@ def measure_bubble(devices: Sequence[str], microbatches: Sequence[int] = (1, 2, 
         for _ in range(repeat):
             for side, (st, sched, k) in sides.items():
                 timed[side].append(_timed_run(st, sched, x, y, k))
-        runs = [r for _, r in timed["pipe"]]
-        idle = np.median([pe.measured_idle_fractions(r) for r in runs], axis=0)
-        wall, best = min(timed["pipe"], key=lambda t: t[0])
+        wall, best = min(timed["pipe"], key=lambda t: t[0])  # every figure below from it
         alone = min(timed["alone"], key=lambda t: t[0]) if "alone" in timed else None
-        out[m] = {"measured": [float(v) for v in idle],
+        out[m] = {"measured": [float(v) for v in pe.measured_idle_fractions(best)],
                   "formula": pl.bubble_fraction(m, p, schedule=schedule)
                   if schedule != "zb-h1" or m >= p else None,
                   "replay": float(np.mean(replay_idle(best))),
                   "gap_ms": float(np.mean(handoff_gaps(best))) * 1e3,
-                  "step_s": wall, "peak_stash": runs[-1].peak_stash,
-                  "task_s": _task_times(runs[-1]), "busy_s": _busy(best),
+                  "step_s": wall, "peak_stash": best.peak_stash,
+                  "task_s": _task_times(best), "busy_s": _busy(best),
                   "one_busy_s": _busy(alone[1]) if alone else None,
                   "one_device_s": alone[0] if alone else None,
                   "whole_batch_s": min(t for t, _ in timed["whole"]) if alone else None,
@@ -175,12 +174,14 @@ def handoff_gaps(run, num_stages: int | None = None) -> list[float]:
 
 
 def dependency_check(run, num_stages: int) -> tuple[int, int]:
-    """``(checked, violated)``: every cross-stage dependency of ``run`` (the forward of ``i`` on
-    stage ``s + 1`` after it on ``s``, the backward of ``i`` on ``s`` after it on ``s + 1`` and
-    after its own forward), checked on the recorded start and end times."""
+    """``(checked, violated)``: the dependencies of ``run`` that cross stages (the forward of
+    ``i`` on stage ``s + 1`` after it on ``s``, the backward of ``i`` on ``s`` after it on
+    ``s + 1``), checked on the recorded start and end times. A backward's dependence on its own
+    forward (same stage, same device) is left out: the device's own order already keeps it."""
     start = {task: s for log in run.log for task, s, _ in log}
     end = {task: e for log in run.log for task, _, e in log}
-    pairs = [(d, task) for task in start for d in pl.dependencies(task, num_stages)]
+    pairs = [(d, task) for task in start for d in pl.dependencies(task, num_stages)
+             if d[0] != task[0]]
     return len(pairs), sum(start[task] < end[d] for d, task in pairs)
 
 
@@ -640,43 +641,41 @@ def _smallest_interleaved_m(start: int, num_stages: int, num_chunks: int) -> int
 
 
 def exercise_answers() -> dict[int, float | list[int]]:
-    """What the exercises' runs give: 1, the tensors interleaved 1F1B (p = 4, v = 2, m = 8)
-    sends across devices in one batch; 2, the simulated step time of 1F1B (p = 4, m = 16, F = 1,
-    B = 2) with stage 1 twice as slow, over the balanced one; 3, GPipe with recomputation (each
-    backward runs the forward again: B = 3) over 1F1B, simulated with the same times; 4, the
-    forwards each device runs before its first backward in interleaved 1F1B (p = 4, v = 2,
-    m = 8), counted on ``pipeline.interleaved_orders``; 5, the fewest micro-batches, at least
-    6, that interleaved 1F1B with p = 4, v = 2 accepts."""
+    """What the exercises' runs give: 1, ZB-H1's simulated step over 1F1B's (p = 4, m = 16,
+    F = 1; 1F1B's backward 2; ZB-H1's B = 1 and W = 2, a W that repeats the input-gradient chain
+    as this executor's two-tape split does); 2, GPipe with recomputation (each backward runs the
+    forward again: B = 3) over 1F1B (F = 1, B = 2), simulated; 3, the forwards each device runs
+    before its first backward in interleaved 1F1B (p = 4, v = 2, m = 8), counted on
+    ``pipeline.interleaved_orders``; 4, the fewest micro-batches, at least 6, that interleaved
+    1F1B with p = 4, v = 2 accepts."""
     def unit(task):
         return 2.0 if task[2] == "B" else 1.0
 
     orders = pl.one_f_one_b_orders(16, 4)
-    slow = _simulated_span(orders, lambda t: unit(t) * (2.0 if t[0] == 1 else 1.0))
+    zb = _simulated_span(pl.zb_h1_orders(16, 4), lambda t: 2.0 if t[2] == "W" else 1.0)
     recompute = _simulated_span(pl.gpipe_orders(16, 4), lambda t: 3.0 if t[2] == "B" else 1.0)
-    return {1: count_messages(pl.interleaved_schedule(8, 4, 2), 4),
-            2: slow / _simulated_span(orders, unit),
-            3: recompute / _simulated_span(orders, unit),
-            4: [_forwards_before_backward(o) for o in pl.interleaved_orders(8, 4, 2)],
-            5: _smallest_interleaved_m(6, 4, 2)}
+    return {1: zb / _simulated_span(orders, unit),
+            2: recompute / _simulated_span(orders, unit),
+            3: [_forwards_before_backward(o) for o in pl.interleaved_orders(8, 4, 2)],
+            4: _smallest_interleaved_m(6, 4, 2)}
 
 
 def check_exercise(number: int, answer) -> str:
     """The chapter's exercise checks: ``"not answered yet"`` for ``None`` or ``...``, else
     ``"correct"`` or a hint (the answers: ``exercise_answers``; a number within 0.02; for
-    exercise 4 a list of four whole numbers, device 0 first)."""
-    checks.one_of("number", number, (1, 2, 3, 4, 5))
+    exercise 3 a list of four whole numbers, device 0 first)."""
+    checks.one_of("number", number, (1, 2, 3, 4))
     if answer is None or answer is Ellipsis:
         return f"exercise {number}: not answered yet"
     want = exercise_answers()[number]
-    hints = {1: "count the boundaries between consecutive virtual stages: each micro-batch "
-                "crosses every one twice (forward and backward)",
-             2: "the slow stage runs every micro-batch: it sets the pace, the others wait",
-             3: "recomputation adds one forward to every backward; 1F1B adds nothing",
-             4: "the warm-up forwards are 2(p - d - 1) + (v - 1)p on device d; the steady "
+    hints = {1: "the W put off into the drain now takes two ticks: count the work per stage, "
+                "then what is left of the bubble",
+             2: "recomputation adds one forward to every backward; 1F1B adds nothing",
+             3: "the warm-up forwards are 2(p - d - 1) + (v - 1)p on device d; the steady "
                 "state then starts with one more forward before its first backward",
-             5: "a device runs chunk 0 for p micro-batches, then chunk 1 for the same p: the "
+             4: "a device runs chunk 0 for p micro-batches, then chunk 1 for the same p: the "
                 "micro-batches go through in groups of p"}
-    if number == 4:
+    if number == 3:
         if not (isinstance(answer, list | tuple) and len(answer) == 4
                 and all(isinstance(a, int) and not isinstance(a, bool) for a in answer)):
             return f"exercise {number}: give a list of four whole numbers, device 0 first"
