@@ -8,7 +8,9 @@ time, the bytes they send, the ``tensor-parallel`` benchmark and the chapter's f
 * ``bytes_by_device(variables)``: the bytes each device holds, read from the variables;
 * ``bench(device_names, quick=False)``: ``python -m accel bench tensor-parallel``;
 * ``figure_sequence_parallel()``: the chapter's diagram of sequence parallelism;
-* ``check_crossing_batch``, ``check_hidden_for_pcie``, ``check_keras_held``: the exercises.
+* ``activation_table(...)``: one layer's kept activations per device under TP, TP + SP and
+  TP + SP + CP, scores kept or attention fused (Korthikanti et al.'s terms);
+* ``check_crossing_batch``, ``check_attention_split``, ``check_keras_held``: the exercises.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import numpy as np
 import tensorflow as tf
 
 from accel import collectives, timing
-from accel.costmodel import tensor_parallel as cost
 from accel.parallel import megatron as tp
 from accel.parallel import mesh as dmesh
 
 __all__ = ["MLP_KEYS", "params_for", "train_steps", "counted_bytes", "time_steps", "bench",
-           "bytes_by_device", "check_crossing_batch", "check_hidden_for_pcie", "check_keras_held",
+           "bytes_by_device", "check_crossing_batch", "check_attention_split", "check_keras_held",
+           "activation_table", "LAYOUTS",
            "figure_sequence_parallel", "mlp_layouts", "MEGATRON_SOURCE",
            "MEGATRON_WEAK_SCALING"]
 
@@ -262,24 +264,74 @@ def check_crossing_batch(answer) -> str:
     return f"exercise 1: not quite: at batch {answer} it still sends less"
 
 
-def check_hidden_for_pcie(answer) -> str:
-    """Exercise 2: the smallest hidden size (a multiple of 1024) at which the cost model gives
-    4-way tensor parallelism over PCIe 4.0 at least 75% efficiency (A100, 8 x 1024 tokens)."""
+LAYOUTS = ("TP", "TP+SP", "TP+SP+CP")
+
+
+def activation_table(seq: int, hidden: int, heads: int, tensor: int, context: int,
+                     batch: int = 1) -> dict[str, dict[str, float]]:
+    """A MODEL: bytes one transformer layer keeps for its backward pass on one device (16-bit,
+    no recomputation, per micro-batch), for each of ``LAYOUTS`` with attention's scores kept
+    (``"materialized"``) or a fused kernel (``"fused"``).
+
+    Korthikanti et al. 2022 (arXiv:2205.05198): TP ``s b h (10 + 24 / t + 5 a s / (h t))``
+    (section 4.2.1), TP + SP ``s b h / t (34 + 5 a s / h)`` (section 4.2.2). Context
+    parallelism over ``c`` devices (``context``) keeps ``s / c`` positions of every activation,
+    and each device's queries meet all ``s`` keys, so its scores are ``5 a (s / c) s b / t``
+    bytes: ``s b h / (t c) (34 + 5 a s / h)``. A fused kernel (Dao et al. 2022,
+    arXiv:2205.14135) keeps no scores, only a float32 log-sum-exp per head and query: the
+    ``5 a s / h`` term becomes ``4 a / h`` (as ``accel.costmodel.planner.layer_activations``)."""
+    for name, v in (("seq", seq), ("hidden", hidden), ("heads", heads), ("tensor", tensor),
+                    ("context", context), ("batch", batch)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if heads % tensor:
+        raise ValueError(f"tensor={tensor} must divide heads={heads} (it splits whole heads)")
+    if seq % context:
+        raise ValueError(f"context={context} must divide seq={seq}")
+    s, b, h, a, t, c = seq, batch, hidden, heads, tensor, context
+    sbh = s * b * h
+    out = {}
+    for attention, scores in (("materialized", 5 * a * s / h), ("fused", 4 * a / h)):
+        out[attention] = {"TP": sbh * (10 + 24 / t + scores / t),
+                          "TP+SP": sbh / t * (34 + scores),
+                          "TP+SP+CP": sbh / (t * c) * (34 + scores)}
+    return {layout: {att: out[att][layout] for att in out} for layout in LAYOUTS}
+
+
+# exercise 2: (query heads, KV heads, sequence, devices for attention, what is already split)
+ATTENTION_CASES = {
+    "A": "32 heads, 32 KV heads, sequence 4,096, 8 GPUs of one NVLink server, nothing split yet",
+    "B": "64 heads, 8 KV heads, sequence 131,072, tensor parallelism 8 inside each server; "
+         "split attention 2 more ways, across two servers",
+    "C": "32 heads, 32 KV heads, sequence 131,072, no tensor parallelism; split the sequence "
+         "8 ways inside one server, sending the fewest bytes",
+}
+_ATTENTION_RIGHT = {"A": {"tensor"}, "B": {"ring", "all_gather"}, "C": {"ulysses"}}
+_ATTENTION_WHY = {
+    "A": "a short sequence: activations are small, and the weights are what a split must divide",
+    "B": "past 8 KV heads tensor parallelism cannot go, and 8 / 8 = 1 KV head per rank cannot be "
+         "split 2 more ways by Ulysses; ring (or K/V all-gathered) needs no head count",
+    "C": "heads divide by 8 and Ulysses sends n / 2 = 4 times less than the ring",
+}
+ATTENTION_CHOICES = ("tensor", "ring", "all_gather", "ulysses")
+
+
+def check_attention_split(answer) -> str:
+    """Exercise 2: for each case of ``ATTENTION_CASES`` the split of attention to choose, one of
+    ``ATTENTION_CHOICES``; ``answer`` is a dict case -> choice."""
     if answer is None or answer is ...:
-        return "exercise 2: not answered yet (set answer2 to a hidden size)"
-
-    def eff(h):
-        return cost.tp_layer_time(8, 1024, h, 4, "NVIDIA A100", "PCIe 4.0 x16")["efficiency"]
-
-    if not isinstance(answer, int) or answer < 1024 or answer % 1024:
-        return f"exercise 2: answer2 should be a multiple of 1024, got {answer!r}"
-    if eff(answer) < 0.75:
-        return f"exercise 2: not quite: at hidden={answer} the model gives {eff(answer):.0%}"
-    if answer > 1024 and eff(answer - 1024) >= 0.75:
-        return (f"exercise 2: not quite: {answer - 1024} already reaches "
-                f"{eff(answer - 1024):.0%}")
-    return (f"exercise 2: correct: hidden={answer} gives {eff(answer):.0%} (compute grows as "
-            "h^2, the bytes as h)")
+        return "exercise 2: not answered yet (set answer2 to a dict: case -> choice)"
+    if not isinstance(answer, dict) or set(answer) != set(ATTENTION_CASES):
+        return (f"exercise 2: answer2 should be a dict with keys {sorted(ATTENTION_CASES)}, "
+                f"got {answer!r}")
+    bad = {k: v for k, v in answer.items() if v not in ATTENTION_CHOICES}
+    if bad:
+        return f"exercise 2: each choice must be one of {list(ATTENTION_CHOICES)}, got {bad}"
+    wrong = sorted(k for k, v in answer.items() if v not in _ATTENTION_RIGHT[k])
+    if wrong:
+        return f"exercise 2: not quite: case(s) {', '.join(wrong)}; the others are right"
+    return "exercise 2: correct: " + "; ".join(f"{k}: {why}" for k, why in
+                                              _ATTENTION_WHY.items())
 
 
 def keras_block_bytes(n: int, width: int = 16, heads: int = 4, mlp: int = 64,

@@ -19,11 +19,36 @@ def test_exercise_1_solution():
 
 
 def test_exercise_2_solution():
-    assert course.check_hidden_for_pcie(None).startswith("exercise 2: not answered yet")
-    assert course.check_hidden_for_pcie(10240).startswith("exercise 2: correct")
-    for wrong in (9216, 11264):
-        assert course.check_hidden_for_pcie(wrong).startswith("exercise 2: not quite")
-    assert "multiple of 1024" in course.check_hidden_for_pcie(1000)
+    check = course.check_attention_split
+    assert check(None).startswith("exercise 2: not answered yet")
+    assert check({"A": "tensor", "B": "ring", "C": "ulysses"}).startswith("exercise 2: correct")
+    assert check({"A": "tensor", "B": "all_gather", "C": "ulysses"}).startswith(
+        "exercise 2: correct")
+    # Ulysses cannot split B's one KV head per tensor rank; C's ring sends 4x more
+    assert "case(s) B, C" in check({"A": "tensor", "B": "ulysses", "C": "ring"})
+    assert "must be one of" in check({"A": "tp", "B": "ring", "C": "ulysses"})
+    assert "dict with keys" in check(["tensor"])
+
+
+def test_activation_table_against_the_planner_and_a_hand_count():
+    from accel.costmodel import planner
+    s, h, a, t, c = 2048, 1024, 16, 4, 2
+    table = course.activation_table(s, h, a, t, c)
+    model = planner.Transformer(layers=1, hidden=h, heads=a, seq=s, vocab=1024)
+    for sp, layout in ((False, "TP"), (True, "TP+SP")):
+        for att in ("materialized", "fused"):
+            plan = planner.Plan(data=1, tensor=t, pipeline=1, recompute="none",
+                                sequence_parallel=sp, attention=att)
+            assert table[layout][att] == pytest.approx(planner.layer_activations(model, plan)[0])
+    # by hand: s b h / (t c) (34 + 5 a s / h) = 2048 * 1024 / 8 * (34 + 160) bytes
+    assert table["TP+SP+CP"]["materialized"] == 2048 * 1024 // 8 * 194
+    # Llama 3 70B's shape at 131,072 tokens, TP 8: the scores dominate unless fused
+    big = course.activation_table(131072, 8192, 64, 8, 16)
+    assert big["TP"]["materialized"] / big["TP"]["fused"] > 40
+    for bad in (dict(tensor=3), dict(context=3), dict(seq=0)):
+        with pytest.raises(ValueError):
+            course.activation_table(**{**dict(seq=2048, hidden=1024, heads=16, tensor=4,
+                                              context=2), **bad})
 
 
 def test_exercise_3_solution():
