@@ -14,18 +14,25 @@ parameter transformer-like model on A100 GPUs, over PCIe 4.0 and NVLink 3). Memo
 parameter of mixed-precision Adam training: 16 bytes (fp16 weights and gradients, fp32 master
 weights, momentum and variance), Rajbhandari et al., "ZeRO", SC 2020, section 3.1.
 
-Memory per GPU on today's GPUs, with and without recomputation or fused attention, is
-``accel.costmodel.planner.memory_per_device`` (chapter 09 prints it per GPU).
+Today's GPUs (``gpu_capacities``, ``smallest_gpu``: data-sheet memory within the planner's
+``MEMORY_BUDGET``); memory on the first of ``p`` GPUs holding consecutive layers of a 7B-class
+transformer, with and without recomputation or fused attention (``memory_rows``, from
+``accel.costmodel.planner.memory_per_device``); naive model parallelism's step on H100s
+(``time_rows``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from accel import checks
+from accel.costmodel import planner as pl
 from accel.costmodel.hardware import MEMORY_GB, link_bandwidth, peak_flops
 from accel.costmodel.zero import ADAM_MIXED_BYTES_PER_PARAM
 
 __all__ = ["BYTES_PER_PARAM_ADAM_MIXED", "A100_MEMORY_GB", "naive_split", "example_rows",
-           "format_rows"]
+           "format_rows", "GPUS", "gpu_capacities", "format_capacities", "smallest_gpu", "EXAMPLE",
+           "MEMORY_CASES", "memory_rows", "format_memory_rows", "time_rows"]
 
 BYTES_PER_PARAM_ADAM_MIXED = ADAM_MIXED_BYTES_PER_PARAM  # accel.costmodel.zero's table: 16
 A100_MEMORY_GB = MEMORY_GB["NVIDIA A100"].value  # accel.costmodel.hardware's figure: 80
@@ -73,3 +80,93 @@ def format_rows(rows: list[dict]) -> str:
                      f"{r['step_s'] * 1e3:>7.0f}ms {r['idle_fraction']:>6.2f} "
                      f"{r['expected_idle']:>8.2f}")
     return "\n".join(lines)
+
+
+# today's GPUs, smallest memory first (accel.costmodel.hardware.MEMORY_GB: data sheets)
+GPUS = ("NVIDIA A100", "NVIDIA H100 SXM", "NVIDIA H200 SXM", "NVIDIA B200", "AMD MI300X",
+        "AMD MI325X", "NVIDIA B300", "AMD MI355X")
+
+
+def gpu_capacities(budget: float = pl.MEMORY_BUDGET,
+                   bytes_per_param: float = BYTES_PER_PARAM_ADAM_MIXED) -> list[dict]:
+    """For each of ``GPUS``: its memory (GB), the ``budget`` share a plan may fill, and the
+    parameters whose training state (``bytes_per_param`` each) fits in that share."""
+    if not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+        raise ValueError(f"budget must be in (0, 1], got {budget!r}")
+    checks.positive_number("bytes_per_param", bytes_per_param)
+    return [{"gpu": g, "gb": MEMORY_GB[g].value, "usable_gb": budget * MEMORY_GB[g].value,
+             "params": budget * MEMORY_GB[g].value * 1e9 / bytes_per_param} for g in GPUS]
+
+
+def format_capacities(rows: list[dict]) -> str:
+    """``gpu_capacities`` as a table."""
+    lines = [f"{'GPU':16} {'memory':>8} {'usable':>8}  {'parameters at 16 B':>18}"]
+    lines += [f"{r['gpu']:16} {r['gb']:>5.0f} GB {r['usable_gb']:>5.0f} GB  "
+              f"{r['params'] / 1e9:>14.1f} B" for r in rows]
+    return "\n".join(lines)
+
+
+def smallest_gpu(gb: float, budget: float = pl.MEMORY_BUDGET) -> str:
+    """The GPUs of ``GPUS`` with the least memory whose ``budget`` share holds ``gb``
+    (equal capacities joined by ``/``), or ``'none'``."""
+    checks.non_negative_number("gb", gb)
+    fits = [g for g in GPUS if gb <= budget * MEMORY_GB[g].value]
+    if not fits:
+        return "none"
+    least = MEMORY_GB[fits[0]].value
+    return " / ".join(_short(g) for g in fits if MEMORY_GB[g].value == least)
+
+
+def _short(gpu: str) -> str:
+    return gpu.replace("NVIDIA ", "").replace("AMD ", "").replace(" SXM", "")
+
+
+# a 7B-class GPT (Llama-2-7B's shape with a tied embedding: Narayanan et al. eq. 2 gives
+# 6.6e9 parameters), 8 sequences of 2048 tokens per step, one micro-batch (no pipelining)
+EXAMPLE = {"model": pl.Transformer(layers=32, hidden=4096, heads=32, seq=2048, vocab=32000),
+           "batch": 8}
+MEMORY_CASES = (  # label -> (recompute, attention)
+    ("no recompute", ("none", "materialized")),
+    ("selective", ("selective", "materialized")),
+    ("fused attention", ("none", "fused")),
+    ("full recompute", ("full", "materialized")),
+    ("full + fused", ("full", "fused")))
+
+
+def memory_rows(gpus: Sequence[int] = (1, 2, 4, 8), example: dict | None = None) -> list[dict]:
+    """GB on the first (most loaded) of ``p`` GPUs holding consecutive layers of ``example``
+    (default ``EXAMPLE``), mixed-precision Adam state plus activations, for each of
+    ``MEMORY_CASES`` (``accel.costmodel.planner.memory_per_device`` with ``pipeline=p``)."""
+    e = EXAMPLE if example is None else example
+    rows = []
+    for p in gpus:
+        row = {"gpus": checks.positive_int("gpus", p)}
+        for label, (recompute, attention) in MEMORY_CASES:
+            plan = pl.Plan(1, 1, p, microbatch=e["batch"], recompute=recompute,
+                           attention=attention)
+            mem = pl.memory_per_device(e["model"], plan, e["batch"])
+            row["state"] = (mem.weights + mem.gradients + mem.optimizer) / 1e9
+            row[label] = mem.total / 1e9
+        rows.append(row)
+    return rows
+
+
+def format_memory_rows(rows: list[dict], budget: float = pl.MEMORY_BUDGET) -> str:
+    """``memory_rows`` as a table: GB and the smallest GPU that holds it within ``budget``."""
+    labels = ["state"] + [label for label, _ in MEMORY_CASES]
+    lines = [f"{'GPUs':>4} " + " ".join(f"{k:>18}" for k in labels)]
+    for r in rows:
+        cells = [f"{r[k]:4.0f} GB {smallest_gpu(r[k], budget):>11}" for k in labels]
+        lines.append(f"{r['gpus']:>4} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def time_rows(gpus: Sequence[int] = (1, 2, 4), device: str = "NVIDIA H100 SXM",
+              links: Sequence[str] = ("PCIe 5.0 x16", "NVLink 4 (H100, per GPU)")) -> list[dict]:
+    """``naive_split`` of ``EXAMPLE`` on ``device`` in bf16 at
+    the planner's utilisation, over each of ``links``."""
+    m, b = EXAMPLE["model"], EXAMPLE["batch"]
+    return [{"link": link, **naive_split(m.parameters, b * m.seq, m.hidden, n, link,
+                                                 device=device, precision="bf16",
+                                                 utilization=pl.UTILIZATION)}
+            for link in links for n in gpus]

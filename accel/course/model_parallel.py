@@ -13,14 +13,14 @@ model-parallel`` benchmark.
   after layer"`` makes layer ``l`` wait for all of layer ``l-1``; ``wavefront_limit(T, L)`` the
   cell count ``T L / (T + L - 1)``; ``measure_wavefront()`` the variants timed alike in a fresh
   process with one intra-op thread, with the traced overlap, the count and the ceiling;
-* ``gpu_capacities()``, ``smallest_gpu(gb)``: today's GPUs' data-sheet memory and the smallest
-  that holds ``gb`` within ``MEMORY_BUDGET``; ``memory_rows()`` a 7B-class transformer over 1-8
-  GPUs (``planner.memory_per_device``) under each of ``MEMORY_CASES``; ``time_rows()`` naive
-  model parallelism's step on H100s;
+* (today's GPUs' memory, a 7B-class transformer's memory per GPU and naive model
+  parallelism's step on H100s are cost models: ``accel.costmodel.model_parallel``);
 * ``memory_per_device(model)``: weights, gradients and Adam slots on each device, split vs data
   parallel (chapter 04's estimate over the variables each device holds);
 * ``bench``: split step vs one device (4 and 2 devices), idle fractions next to (p-1)/p, the
   wavefront against one device and the cell count, and the ceiling;
+* ``hybrid_traffic(transfers, replicas)``: a hybrid split step's transfers by kind (boundary
+  activations, weights read and gradients sent back between replicas, batch, losses);
 * the exercises' checks: ``check_cut``, ``check_embedding_split``, ``check_skip_cut``,
   ``check_stage_memory``.
 """
@@ -34,9 +34,6 @@ import numpy as np
 import tensorflow as tf
 
 from accel import checks, models, placement, procs, profile, timing, viz
-from accel.costmodel import model_parallel as mp_cost
-from accel.costmodel import planner as pl
-from accel.costmodel.hardware import MEMORY_GB
 from accel.memory.estimate import estimate_training_memory
 from accel.parallel import model as mp
 from accel.parallel import pipeline, trace
@@ -49,8 +46,7 @@ __all__ = ["TRACE_SIZES", "RNN", "naive_trace", "figure_timeline", "WAVEFRONT_MO
            "WAVEFRONT_ROWS", "wavefront_limit", "wavefront_grid", "rnn_forward", "overlap_of",
            "rnn_overlap", "wavefront_times", "measure_wavefront", "format_wavefront",
            "max_relative_difference", "memory_per_device", "format_memory", "split_vs_single",
-           "bench", "GPUS", "gpu_capacities", "format_capacities", "smallest_gpu", "EXAMPLE",
-           "memory_rows", "format_memory_rows", "time_rows", "CUT_SIZES", "CUT_BATCH", "cut_table",
+           "bench", "CUT_SIZES", "CUT_BATCH", "cut_table",
            "check_cut", "EMBEDDING_EXERCISE", "embedding_costs", "check_embedding_split",
            "skip_model", "check_skip_cut", "STAGE_EXERCISE", "check_stage_memory", "SPLIT_BATCH",
            "DENSE_WIDTH", "DENSE_LAYERS", "CNN_LAYERS", "TOWER_CROSSINGS", "CNN_INPUT",
@@ -371,96 +367,6 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     lines.append(format_wavefront(w))
     print("\n".join(lines))
     return out
-
-
-# today's GPUs, smallest memory first (accel.costmodel.hardware.MEMORY_GB: data sheets)
-GPUS = ("NVIDIA A100", "NVIDIA H100 SXM", "NVIDIA H200 SXM", "NVIDIA B200", "AMD MI300X",
-        "AMD MI325X", "NVIDIA B300", "AMD MI355X")
-
-
-def gpu_capacities(budget: float = pl.MEMORY_BUDGET,
-                   bytes_per_param: float = mp_cost.BYTES_PER_PARAM_ADAM_MIXED) -> list[dict]:
-    """For each of ``GPUS``: its memory (GB), the ``budget`` share a plan may fill, and the
-    parameters whose training state (``bytes_per_param`` each) fits in that share."""
-    if not isinstance(budget, (int, float)) or not 0 < budget <= 1:
-        raise ValueError(f"budget must be in (0, 1], got {budget!r}")
-    checks.positive_number("bytes_per_param", bytes_per_param)
-    return [{"gpu": g, "gb": MEMORY_GB[g].value, "usable_gb": budget * MEMORY_GB[g].value,
-             "params": budget * MEMORY_GB[g].value * 1e9 / bytes_per_param} for g in GPUS]
-
-
-def format_capacities(rows: list[dict]) -> str:
-    """``gpu_capacities`` as a table."""
-    lines = [f"{'GPU':16} {'memory':>8} {'usable':>8}  {'parameters at 16 B':>18}"]
-    lines += [f"{r['gpu']:16} {r['gb']:>5.0f} GB {r['usable_gb']:>5.0f} GB  "
-              f"{r['params'] / 1e9:>14.1f} B" for r in rows]
-    return "\n".join(lines)
-
-
-def smallest_gpu(gb: float, budget: float = pl.MEMORY_BUDGET) -> str:
-    """The GPUs of ``GPUS`` with the least memory whose ``budget`` share holds ``gb``
-    (equal capacities joined by ``/``), or ``'none'``."""
-    checks.non_negative_number("gb", gb)
-    fits = [g for g in GPUS if gb <= budget * MEMORY_GB[g].value]
-    if not fits:
-        return "none"
-    least = MEMORY_GB[fits[0]].value
-    return " / ".join(_short(g) for g in fits if MEMORY_GB[g].value == least)
-
-
-def _short(gpu: str) -> str:
-    return gpu.replace("NVIDIA ", "").replace("AMD ", "").replace(" SXM", "")
-
-
-# a 7B-class GPT (Llama-2-7B's shape with a tied embedding: Narayanan et al. eq. 2 gives
-# 6.6e9 parameters), 8 sequences of 2048 tokens per step, one micro-batch (no pipelining)
-EXAMPLE = {"model": pl.Transformer(layers=32, hidden=4096, heads=32, seq=2048, vocab=32000),
-           "batch": 8}
-MEMORY_CASES = (  # label -> (recompute, attention)
-    ("no recompute", ("none", "materialized")),
-    ("selective", ("selective", "materialized")),
-    ("fused attention", ("none", "fused")),
-    ("full recompute", ("full", "materialized")),
-    ("full + fused", ("full", "fused")))
-
-
-def memory_rows(gpus: Sequence[int] = (1, 2, 4, 8), example: dict | None = None) -> list[dict]:
-    """GB on the first (most loaded) of ``p`` GPUs holding consecutive layers of ``example``
-    (default ``EXAMPLE``), mixed-precision Adam state plus activations, for each of
-    ``MEMORY_CASES`` (``accel.costmodel.planner.memory_per_device`` with ``pipeline=p``)."""
-    e = EXAMPLE if example is None else example
-    rows = []
-    for p in gpus:
-        row = {"gpus": checks.positive_int("gpus", p)}
-        for label, (recompute, attention) in MEMORY_CASES:
-            plan = pl.Plan(1, 1, p, microbatch=e["batch"], recompute=recompute,
-                           attention=attention)
-            mem = pl.memory_per_device(e["model"], plan, e["batch"])
-            row["state"] = (mem.weights + mem.gradients + mem.optimizer) / 1e9
-            row[label] = mem.total / 1e9
-        rows.append(row)
-    return rows
-
-
-def format_memory_rows(rows: list[dict], budget: float = pl.MEMORY_BUDGET) -> str:
-    """``memory_rows`` as a table: GB and the smallest GPU that holds it within ``budget``."""
-    labels = ["state"] + [label for label, _ in MEMORY_CASES]
-    lines = [f"{'GPUs':>4} " + " ".join(f"{k:>18}" for k in labels)]
-    for r in rows:
-        cells = [f"{r[k]:4.0f} GB {smallest_gpu(r[k], budget):>11}" for k in labels]
-        lines.append(f"{r['gpus']:>4} " + " ".join(cells))
-    return "\n".join(lines)
-
-
-def time_rows(gpus: Sequence[int] = (1, 2, 4), device: str = "NVIDIA H100 SXM",
-              links: Sequence[str] = ("PCIe 5.0 x16", "NVLink 4 (H100, per GPU)")) -> list[dict]:
-    """``accel.costmodel.model_parallel.naive_split`` of ``EXAMPLE`` on ``device`` in bf16 at
-    the planner's utilisation, over each of ``links``."""
-    m, b = EXAMPLE["model"], EXAMPLE["batch"]
-    return [{"link": link, **mp_cost.naive_split(m.parameters, b * m.seq, m.hidden, n, link,
-                                                 device=device, precision="bf16",
-                                                 utilization=pl.UTILIZATION)}
-            for link in links for n in gpus]
 
 
 CUT_SIZES = (16, 1024, 64, 1024, 1024, 4)  # exercise 1's MLP: a narrow layer, then a wide one
@@ -798,3 +704,38 @@ def format_splits(counts: dict[str, dict]) -> str:
         busy = f"{c['both in flight']:>14.0%}" if "both in flight" in c else ""
         lines.append(f"{name:{width}}  {cells}  {busy}")
     return "\n".join(lines)
+
+
+
+HYBRID_KINDS = ("boundary activations and their gradients", "weights read from their owner",
+                "weight gradients sent to their owner", "batch and labels", "losses")
+
+
+def hybrid_traffic(transfers: Sequence, replicas: Sequence[Sequence[str]]) -> dict[str, int]:
+    """Bytes of a ``make_split_step(..., replicas=replicas)`` step's data transfers
+    (``trace.transfers_of``) by kind, ``HYBRID_KINDS`` in order: a scalar is a loss; a piece of
+    ``tf.split`` is batch and labels; inside one replica, a boundary activation or its gradient;
+    between replicas, forward is a weight read from its owner, backward a gradient sent to it."""
+    if isinstance(replicas, str) or not replicas or any(isinstance(r, str) or not r
+                                                        for r in replicas):
+        raise ValueError(f"replicas must be a non-empty list of device lists, got {replicas!r}")
+    owner = {d: r for r, devs in enumerate(replicas) for d in devs}
+    if len(owner) != sum(len(devs) for devs in replicas):
+        raise ValueError(f"a device is listed in two replicas: {replicas!r}")
+    out = dict.fromkeys(HYBRID_KINDS, 0)
+    for t in (t for t in transfers if not t.control):
+        if t.source not in owner or t.target not in owner:
+            raise ValueError(f"{t.tensor} goes from {t.source} to {t.target}: a device outside "
+                             "the replicas")
+        cross = owner[t.source] != owner[t.target]
+        kind = (4 if t.shape is not None and len(t.shape) == 0 else
+                3 if t.tensor.split("/")[-1].startswith("split") else
+                0 if not cross else 1 if t.direction == "forward" else 2)
+        out[HYBRID_KINDS[kind]] += t.nbytes
+    return out
+
+
+def format_hybrid_traffic(counts: dict[str, int]) -> str:
+    """``hybrid_traffic``'s bytes, one kind per line, then their total."""
+    rows = [*counts.items(), ("total", sum(counts.values()))]
+    return "\n".join(f"{k:<41}  {v:>6,} bytes" for k, v in rows)

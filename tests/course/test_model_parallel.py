@@ -1,6 +1,6 @@
 """accel.course.model_parallel: byte counts and memory against hand counts, the
-wavefront's variants against each other's outputs, the GPU tables against the data sheets'
-literal figures and hand-counted activations, and the exercises' solutions."""
+wavefront's variants against each other's outputs, the hybrid's traffic by hand, and the
+exercises' solutions."""
 
 import numpy as np
 import pytest
@@ -108,43 +108,6 @@ def test_stage_bytes_equal_chapter_07_split(four_devices):
         assert (w, g, o) == (e.weights, e.gradients, e.optimizer_slots)
 
 
-# the data sheets' memory per GPU in GB (DGX B200: 1,440 / 8; DGX B300: 2.3 TB / 8 = 288)
-SHEETS = {"NVIDIA A100": 80, "NVIDIA H100 SXM": 80, "NVIDIA H200 SXM": 141, "NVIDIA B200": 180,
-          "AMD MI300X": 192, "AMD MI325X": 256, "NVIDIA B300": 288, "AMD MI355X": 288}
-
-
-def test_gpu_capacities_are_the_data_sheets():
-    rows = course.gpu_capacities()
-    assert {r["gpu"]: r["gb"] for r in rows} == SHEETS
-    b300 = next(r for r in rows if r["gpu"] == "NVIDIA B300")
-    assert b300["params"] == pytest.approx(0.8 * 288e9 / 16)  # 14.4 B within the budget
-    assert course.gpu_capacities(budget=1.0)[-1]["params"] == pytest.approx(18e9)
-    assert course.smallest_gpu(100) == "H200"       # 100 <= 0.8 x 141
-    assert course.smallest_gpu(150) == "MI300X"     # above 0.8 x 180, below 0.8 x 192
-    assert course.smallest_gpu(60) == "A100 / H100"
-    assert course.smallest_gpu(231) == "none"       # above 0.8 x 288
-    with pytest.raises(ValueError, match="budget"):
-        course.gpu_capacities(budget=1.5)
-
-
-def test_memory_rows_by_hand():
-    s, b, h, a, n = 2048, 8, 4096, 32, 32
-    params = n * (12 * h * h + 13 * h) + (32000 + s) * h  # Narayanan et al. eq. 2
-    sbh, state = s * b * h, 16 * params
-    row = course.memory_rows(gpus=(1,))[0]
-    assert row["state"] == pytest.approx(state / 1e9)
-    assert row["no recompute"] == pytest.approx((state + n * sbh * (34 + 5 * a * s / h)) / 1e9)
-    # selective recomputation drops the 5as/h term (Korthikanti et al. Table 2): 34 sbh
-    assert row["selective"] == pytest.approx((state + n * sbh * 34) / 1e9)
-    assert row["fused attention"] == pytest.approx((state + n * sbh * (34 + 4 * a / h)) / 1e9)
-    # full recomputation: every layer's input, plus one layer's whole set while it reruns
-    assert row["full recompute"] == pytest.approx(
-        (state + n * 2 * sbh + sbh * (34 + 5 * a * s / h)) / 1e9)
-    two = course.memory_rows(gpus=(2,))[0]  # 16 layers and the embedding on the first GPU
-    first = 16 * (12 * h * h + 13 * h) + (32000 + s) * h
-    assert two["state"] == pytest.approx(16 * first / 1e9)
-
-
 def test_cut_table_by_hand(four_devices):
     rows = course.cut_table(four_devices)
     widths = course.CUT_SIZES[1:-1]  # the activation after each cut: [64, width] both ways
@@ -158,10 +121,31 @@ def test_cut_table_by_hand(four_devices):
         course.cut_table(four_devices[:1])
 
 
-def test_time_rows_by_hand():
-    params = course.EXAMPLE["model"].parameters
-    rows = course.time_rows(gpus=(1, 2), links=("PCIe 5.0 x16",))
-    compute = 6 * params * 8 * 2048 / (989.4e12 * 0.5)  # H100 SXM bf16 dense, half the peak
-    assert rows[0]["compute_s"] == pytest.approx(compute)
-    # one boundary: the [8 x 2048, 4096] bf16 activation forward and its gradient back
-    assert rows[1]["transfer_s"] == pytest.approx(2 * 8 * 2048 * 4096 * 2 / 63e9)
+def test_hybrid_traffic_by_hand(four_devices):
+    from accel.parallel import trace
+    from accel.training import squared_error
+
+    sizes, batch = [8, 16, 16, 16, 16, 4], 32
+    partition = mp.split(mlp_layers(sizes), four_devices[:2], [sizes[0]])
+    replicas = [four_devices[:2], four_devices[2:]]
+    step = mp.make_split_step(partition, squared_error, 0.1, replicas=replicas)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, sizes[0])).astype(np.float32)
+    y = rng.normal(size=(batch, sizes[-1])).astype(np.float32)
+    moved = trace.transfers_of(step, x, y)
+    counts = course.hybrid_traffic(moved, replicas)
+    params = sum(p.param_bytes for p in partition.parts)  # every weight once each way
+    assert params == 4 * sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+    assert counts == {
+        course.HYBRID_KINDS[0]: 2 * 2 * (batch // 2) * 16 * 4,  # 2 replicas, both directions
+        course.HYBRID_KINDS[1]: params,
+        course.HYBRID_KINDS[2]: params,
+        course.HYBRID_KINDS[3]: (batch // 2) * (sizes[0] + 2 * sizes[-1]) * 4,  # x half, labels
+        course.HYBRID_KINDS[4]: 2 * 4}
+    assert sum(counts.values()) == trace.crossing_bytes(moved)["total"]
+    with pytest.raises(ValueError, match="two replicas"):
+        course.hybrid_traffic(moved, [four_devices[:2], four_devices[1:3]])
+    with pytest.raises(ValueError, match="outside the replicas"):
+        course.hybrid_traffic(moved, [four_devices[:2]])
+    with pytest.raises(ValueError, match="non-empty"):
+        course.hybrid_traffic(moved, [])
