@@ -197,6 +197,29 @@ def overlap_share(run) -> float:
     return both / _span(run)
 
 
+def device_peak_stash(schedule, num_stages: int, num_devices: int) -> list[float]:
+    """For each device, the most activations it holds at once, in micro-batches of the whole
+    device's layers: a virtual stage (stage ``s`` on device ``s % num_devices``) holds
+    ``num_devices / num_stages`` of them, so a chunk's micro-batch counts that share. Counted
+    tick by tick on ``schedule`` (a forward adds its chunk, the task that frees it, ``B`` or
+    ``W`` where the schedule holds W tasks, removes it); with one stage per device it is
+    ``pipeline.peak_in_flight``."""
+    checks.positive_int("num_stages", num_stages)
+    checks.positive_int("num_devices", num_devices)
+    if num_stages % num_devices:
+        raise ValueError(f"num_stages={num_stages} must be a multiple of "
+                         f"num_devices={num_devices}")
+    share = num_devices / num_stages
+    release = "W" if pl.splits_backward(schedule) else "B"
+    held, peak = [0.0] * num_devices, [0.0] * num_devices
+    for tasks in schedule:
+        for stage, _, phase in tasks:
+            d = stage % num_devices
+            held[d] += share if phase == "F" else -share if phase == release else 0.0
+            peak[d] = max(peak[d], held[d])
+    return peak
+
+
 def count_messages(schedule, num_devices: int, num_stages: int | None = None) -> int:
     """Tensors that cross devices in one batch: each task whose input comes from a stage on
     another device (a forward's activation from stage ``s - 1``, a backward's gradient from

@@ -7,6 +7,7 @@ from accel.course.pipeline import (
     check_exercise,
     count_messages,
     dependency_check,
+    device_peak_stash,
     format_timeline,
     handoff_gaps,
     make_batch,
@@ -104,3 +105,15 @@ def test_overhead_report_by_hand():
     assert report["per_task_s"] == pytest.approx({"pipeline p=2 m=4 1F1B": 0.001,
                                                   "pipeline p=2 m=4 interleaved v=2": 0.001,
                                                   "2 stages on 1 device, m=4": 0.0005})
+
+
+def test_device_peak_stash_by_hand():
+    # interleaved, m = 4, p = 2, v = 2 (the chapter's drawing): device 0 runs F0c0 F1c0 F0c1
+    # F1c1 (4 chunks held), then F2c0 (5), B0c1 (4), F3c0 (5), ...: at most 5 half-stages;
+    # device 1 runs F0c0 F1c0 F0c1 (3), B0c1 (2), F1c1 (3), B1c1 (2), ...: at most 3
+    assert device_peak_stash(pl.interleaved_schedule(4, 2, 2), 4, 2) == [2.5, 1.5]
+    for sched, p in [(pl.one_f_one_b_schedule(8, 4), 4), (pl.gpipe_schedule(6, 3), 3),
+                     (pl.zb_h1_schedule(6, 3), 3)]:
+        assert device_peak_stash(sched, p, p) == pl.peak_in_flight(sched, p)
+    with pytest.raises(ValueError, match="multiple"):
+        device_peak_stash(pl.one_f_one_b_schedule(4, 3), 3, 2)
