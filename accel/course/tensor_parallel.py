@@ -10,7 +10,9 @@ time, the bytes they send, the ``tensor-parallel`` benchmark and the chapter's f
 * ``figure_sequence_parallel()``: the chapter's diagram of sequence parallelism;
 * ``activation_table(...)``: one layer's kept activations per device under TP, TP + SP and
   TP + SP + CP, scores kept or attention fused (Korthikanti et al.'s terms);
-* ``check_crossing_batch``, ``check_attention_split``, ``check_keras_held``: the exercises.
+* ``tp_efficiency(...)``: the layer model's efficiency on any link (NVLink 5 and Infinity Fabric
+  included) at its nominal or an achievable bandwidth;
+* ``check_tp_vs_dp``, ``check_attention_split``, ``check_keras_held``: the exercises.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from accel.parallel import megatron as tp
 from accel.parallel import mesh as dmesh
 
 __all__ = ["MLP_KEYS", "params_for", "train_steps", "counted_bytes", "time_steps", "bench",
-           "bytes_by_device", "check_crossing_batch", "check_attention_split", "check_keras_held",
-           "activation_table", "LAYOUTS",
+           "bytes_by_device", "check_tp_vs_dp", "check_attention_split", "check_keras_held",
+           "activation_table", "LAYOUTS", "tp_efficiency", "LLAMA3_70B_LAYER", "TP_VS_DP_CASES",
            "figure_sequence_parallel", "mlp_layouts", "MEGATRON_SOURCE",
            "MEGATRON_WEAK_SCALING"]
 
@@ -238,30 +240,73 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
     return out
 
 
-def _crossing_batch(seq: int = 16, hidden: int = 64, heads: int = 8, n: int = 4) -> int:
-    """The smallest batch at which the tensor-parallel block sends at least as many bytes per
-    device and step as data parallelism's gradient all-reduce (both with the direct
-    algorithm, float32)."""
-    grads = sum(a.nbytes for a in params_for("block", hidden, heads).values())
-    dp = collectives.all_reduce_bytes(grads, n)
-    return next(b for b in range(1, 10_000)
-                if tp.bytes_per_step("block", [b, seq, hidden], n) >= dp)
+def tp_efficiency(batch: int, seq: int, hidden: int, n: int, device: str, link: str,
+                  precision: str = "fp16", utilization: float = 0.5,
+                  link_gbs: float | None = None) -> float:
+    """MODEL: the efficiency ``t_1 / (n t_n)`` of ``accel.costmodel.tensor_parallel.tp_layer_time``
+    (matmuls at ``utilization`` of ``device``'s dense peak, attention-score FLOPs left out, four
+    ring all-reduces, no overlap) for ``link`` a key of ``accel.costmodel.hardware.LINKS`` or of
+    ``accel.costmodel.collectives.CURRENT_LINKS`` (NVLink 5, Infinity Fabric), at the link's
+    nominal one-direction bandwidth or at ``link_gbs`` GB/s where given (an achievable bus
+    bandwidth, as nccl-tests reports it)."""
+    from accel.costmodel.collectives import link_spec
+    from accel.costmodel.hardware import peak_flops
+    from accel.costmodel.tensor_parallel import tp_bytes_per_layer
+    from accel.costmodel.transformer import layer_flops
+    if isinstance(utilization, bool) or not isinstance(utilization, int | float) \
+            or not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
+    gbs = link_spec(link).value if link_gbs is None else link_gbs
+    if isinstance(gbs, bool) or not isinstance(gbs, int | float) or gbs <= 0:
+        raise ValueError(f"link_gbs must be a positive number of GB/s, got {link_gbs!r}")
+    compute_1 = layer_flops(batch, seq, hidden, attention_scores=False) / (
+        peak_flops(device, precision) * utilization)
+    comm = tp_bytes_per_layer(batch, seq, hidden, n) / (gbs * 1e9)
+    return compute_1 / (n * (compute_1 / n + comm))
 
 
-def check_crossing_batch(answer) -> str:
-    """Exercise 1: the smallest batch (sequence 16, hidden 64, 4 devices) at which section 5's
-    tensor-parallel block sends at least as many bytes per device as data parallelism."""
+# exercise 1: one layer of Llama 3 70B (Dubey et al. 2024, arXiv:2407.21783, Table 3: model
+# dimension 8,192, FFN 28,672, 64 attention heads, 8 KV heads; head dimension 8192 / 64 = 128;
+# SwiGLU: three FFN matrices; two RMSNorm gains, no biases)
+LLAMA3_70B_LAYER = {"wq": (8192, 8192), "wk": (8192, 1024), "wv": (8192, 1024),
+                    "wo": (8192, 8192), "w1": (8192, 28672), "w3": (8192, 28672),
+                    "w2": (28672, 8192), "norm1": (8192,), "norm2": (8192,)}
+# case -> (sequences of 8,192 tokens per micro-batch, all-reduce algorithm for both sides)
+TP_VS_DP_CASES = {"A": (1, "ring"), "B": (4, "direct"), "C": (3, "ring")}
+
+
+def _tp_vs_dp(sequences: int, algorithm: str, n: int = 8, itemsize: int = 2) -> dict:
+    """Bytes one device sends per layer and step: tensor parallelism's four all-reduces of the
+    ``[sequences, 8192, 8192]`` activation, data parallelism's one all-reduce of the layer's
+    gradients (``LLAMA3_70B_LAYER``), both 16-bit, by ``algorithm``."""
+    params = sum(int(np.prod(shape)) for shape in LLAMA3_70B_LAYER.values())
+    act = sequences * 8192 * 8192 * itemsize
+    return {"tensor": 4 * collectives.all_reduce_bytes(act, n, algorithm),
+            "data": collectives.all_reduce_bytes(params * itemsize, n, algorithm)}
+
+
+def check_tp_vs_dp(answer) -> str:
+    """Exercise 1: for each case of ``TP_VS_DP_CASES``, which of ``"tensor"`` and ``"data"``
+    parallelism sends more bytes per device per layer and step; ``answer`` a dict case -> side."""
     if answer is None or answer is ...:
-        return "exercise 1: not answered yet (set answer1 to a batch size)"
-    if not isinstance(answer, int) or answer < 1:
-        return f"exercise 1: answer1 should be a whole batch size >= 1, got {answer!r}"
-    right = _crossing_batch()
-    if answer == right:
-        return (f"exercise 1: correct: batch {right}; b*s = 3h gives {3 * 64 // 16}, and the "
-                "biases and LayerNorms that data parallelism also all-reduces move it one up")
-    if answer > right:
-        return f"exercise 1: not quite: at batch {answer - 1} it already sends as much or more"
-    return f"exercise 1: not quite: at batch {answer} it still sends less"
+        return "exercise 1: not answered yet (set answer1 to a dict: case -> side)"
+    if not isinstance(answer, dict) or set(answer) != set(TP_VS_DP_CASES):
+        return (f"exercise 1: answer1 should be a dict with keys {sorted(TP_VS_DP_CASES)}, "
+                f"got {answer!r}")
+    bad = {k: v for k, v in answer.items() if v not in ("tensor", "data")}
+    if bad:
+        return f"exercise 1: each side must be 'tensor' or 'data', got {bad}"
+    sent = {k: _tp_vs_dp(*case) for k, case in TP_VS_DP_CASES.items()}
+    right = {k: max(b, key=b.get) for k, b in sent.items()}
+    wrong = sorted(k for k in answer if answer[k] != right[k])
+    if wrong:
+        return f"exercise 1: not quite: case(s) {', '.join(wrong)}; the others are right"
+    return ("exercise 1: correct: " + "; ".join(
+        f"{k}: tensor {b['tensor'] / 1e9:.2f} GB, data {b['data'] / 1e9:.2f} GB"
+        for k, b in sent.items()) + ". Both sides use the same algorithm, so it scales both "
+        "alike; the layer holds 855,654,400 weights (GQA's small K/V, SwiGLU's third matrix), "
+        "not 12h^2 = 805,306,368, so at 3 x 8,192 tokens, where 12h^2 says a tie, data "
+        "parallelism sends more")
 
 
 LAYOUTS = ("TP", "TP+SP", "TP+SP+CP")
@@ -304,14 +349,16 @@ ATTENTION_CASES = {
     "B": "64 heads, 8 KV heads, sequence 131,072, tensor parallelism 8 inside each server; "
          "split attention 2 more ways, across two servers",
     "C": "32 heads, 32 KV heads, sequence 131,072, no tensor parallelism; split the sequence "
-         "8 ways inside one server, sending the fewest bytes",
+         "8 ways inside one NVSwitch server, with an attention kernel that cannot overlap "
+         "communication with compute",
 }
 _ATTENTION_RIGHT = {"A": {"tensor"}, "B": {"ring", "all_gather"}, "C": {"ulysses"}}
 _ATTENTION_WHY = {
     "A": "a short sequence: activations are small, and the weights are what a split must divide",
     "B": "past 8 KV heads tensor parallelism cannot go, and 8 / 8 = 1 KV head per rank cannot be "
          "split 2 more ways by Ulysses; ring (or K/V all-gathered) needs no head count",
-    "C": "heads divide by 8 and Ulysses sends n / 2 = 4 times less than the ring",
+    "C": "heads divide by 8, and with nothing hidden behind compute the bytes decide: Ulysses "
+         "sends n / 2 = 4 times less than the ring or the all-gather",
 }
 ATTENTION_CHOICES = ("tensor", "ring", "all_gather", "ulysses")
 

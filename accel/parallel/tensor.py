@@ -151,9 +151,10 @@ class RowParallelDense(_ShardedDense):
     """``Dense`` with its kernel split by input rows: device ``i`` multiplies its slice of the
     input (the tuple a ``ColumnParallelDense(gather_output=False)`` returns, or a tensor split
     here along its last axis) by its rows; the partial sums are added on ``devices[0]``, where
-    the bias and the activation follow. Returns one tensor, on ``devices[0]``. (A Keras layer
-    has one output, so the partial sums meet on one device, a reduce; the all-reduce form, with
-    every device keeping a copy, is ``row_parallel_dense``.)"""
+    the bias and the activation follow. Returns one tensor, on ``devices[0]``: by design, so that
+    an ordinary Keras layer or a residual add can take it (a Keras layer may return a tuple, as
+    ``ColumnParallelDense`` does); the partial sums meet on one device, a reduce. The all-reduce
+    form, with every device keeping a copy, is ``row_parallel_dense``."""
 
     def build(self, input_shape):
         n = len(self.devices)
@@ -212,8 +213,8 @@ class HeadParallelAttention(keras.layers.Layer):
     ``(h, key_dim)`` and the rows of the output projection that read them ``(h, key_dim,
     width)``; it computes those heads' attention (``softmax(q k^T / sqrt(key_dim)) v``) and its
     partial output projection, forward and backward on that device. The partial outputs are added
-    on ``devices[0]``, where the output bias is added once (a Keras layer has one output, so this
-    is a reduce; the all-reduce form is ``tp_block``).
+    on ``devices[0]``, where the output bias is added once: one output tensor, by design, so that an
+    ordinary Keras layer can take it; this is a reduce (the all-reduce form is ``tp_block``).
 
     Called as ``MultiHeadAttention`` is: ``layer(query, value, key=None, training=None)`` on
     ``[batch, seq, features]`` inputs (self-attention: ``query`` is ``value``; cross-attention

@@ -9,13 +9,48 @@ from accel.parallel import megatron as tp
 
 
 def test_exercise_1_solution():
-    # 4 all-reduces x 3 x (b * 16 * 64 * 4 B) against 3 x the block's 49,984 float32 parameters:
-    # equal at b = 12 for the 12 h^2 weights alone, the biases and LayerNorms make it 13
-    assert course.check_crossing_batch(None).startswith("exercise 1: not answered yet")
-    assert course.check_crossing_batch(13).startswith("exercise 1: correct")
-    assert course.check_crossing_batch(12).startswith("exercise 1: not quite")
-    assert course.check_crossing_batch(14).startswith("exercise 1: not quite")
-    assert "whole batch size" in course.check_crossing_batch(12.5)
+    # per device, per layer and step, 8 devices, 16-bit; a hand count of Llama 3 70B's layer:
+    # 2 x 8192^2 (q, o) + 2 x 8192 x 1024 (k, v) + 3 x 8192 x 28672 (SwiGLU) + 2 x 8192 (norms)
+    params = 2 * 8192 ** 2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192
+    assert params == 855_654_400
+    act = 8192 * 8192 * 2                                   # one sequence's activation, bytes
+    ring, direct = 2 * 7 / 8, 7
+    assert 4 * ring * act < ring * 2 * params               # A: 1 sequence, ring: data
+    assert 4 * direct * 4 * act > direct * 2 * params       # B: 4 sequences, direct: tensor
+    assert 4 * ring * 3 * act < ring * 2 * params           # C: 3 sequences, ring: data
+    assert 4 * 3 * 8192 * 8192 == 12 * 8192 ** 2            # where 12 h^2 would call C a tie
+    check = course.check_tp_vs_dp
+    assert check(None).startswith("exercise 1: not answered yet")
+    assert check({"A": "data", "B": "tensor", "C": "data"}).startswith("exercise 1: correct")
+    assert "case(s) B" in check({"A": "data", "B": "data", "C": "data"})
+    assert "case(s) A, C" in check({"A": "tensor", "B": "tensor", "C": "tensor"})
+    assert "must be 'tensor' or 'data'" in check({"A": "tp", "B": "tensor", "C": "data"})
+    assert "dict with keys" in check(["data"])
+
+
+def test_tp_efficiency_against_the_layer_model_and_a_hand_count():
+    from accel.costmodel import tensor_parallel as tpcost
+    for n in (2, 4, 8):                                     # a link of LINKS: the same model
+        ref = tpcost.tp_layer_time(8, 1024, 4096, n, "NVIDIA A100", "PCIe 4.0 x16")
+        assert course.tp_efficiency(8, 1024, 4096, n, "NVIDIA A100", "PCIe 4.0 x16") \
+            == pytest.approx(ref["efficiency"], rel=1e-12)
+    # B200 over NVLink 5 (900 GB/s one way), bf16 peak 2,250 TFLOP/s at 50%, by hand
+    compute_1 = 3 * 24 * 8 * 1024 * 4096 ** 2 / (2250e12 * 0.5)
+    comm = 4 * 2 * 7 / 8 * 8 * 1024 * 4096 * 2 / 900e9
+    got = course.tp_efficiency(8, 1024, 4096, 8, "NVIDIA B200", "NVLink 5 (B200, per GPU)",
+                               precision="bf16")
+    assert got == pytest.approx(compute_1 / (8 * (compute_1 / 8 + comm)), rel=1e-12)
+    # an achievable bandwidth in place of the nominal one
+    slow = course.tp_efficiency(8, 1024, 4096, 8, "NVIDIA H100 SXM", "NVLink 4 (H100, per GPU)",
+                                precision="bf16", link_gbs=370)
+    fast = course.tp_efficiency(8, 1024, 4096, 8, "NVIDIA H100 SXM", "NVLink 4 (H100, per GPU)",
+                                precision="bf16")
+    assert slow < fast
+    for bad in ({"utilization": 0}, {"utilization": 1.5}, {"link_gbs": 0}, {"link_gbs": True}):
+        with pytest.raises(ValueError):
+            course.tp_efficiency(8, 1024, 4096, 8, "NVIDIA A100", "PCIe 4.0 x16", **bad)
+    with pytest.raises(ValueError):
+        course.tp_efficiency(8, 1024, 4096, 8, "NVIDIA A100", "NVLink 9")
 
 
 def test_exercise_2_solution():
