@@ -73,8 +73,8 @@ parallel     accel.parallel.staleness (06)     the server's decision rules, reco
              accel.parallel.model (09)         model parallelism: split, split step (TF2, TF1),
                                                hybrid replicas x stages
              accel.parallel.trace (09-)        bytes crossing devices; per-device busy time
-             accel.parallel.pipeline (10)      GPipe / 1F1B / interleaved 1F1B / ZB-H1 (B and W
-                                               split) schedules as data (pure, no TF)
+             accel.parallel.pipeline (10)      GPipe / 1F1B / interleaved 1F1B / ZB-H1 / ZB-V
+                                               (B and W split) schedules as data (pure, no TF)
              accel.parallel.pipeline_exec (10) running any schedule on devices, a thread a
                                                device; Pipeline: a Keras Sequential trained so
              accel.parallel.megatron (11)      tensor parallelism by hand: column/row-parallel

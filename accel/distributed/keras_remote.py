@@ -278,7 +278,7 @@ def _fit_one(request: dict, k: int, run: dict, x, y) -> dict:
     np.savez(os.path.join(request["work"], f"run{k}.npz"),
              **{f"w{i}": w for i, w in enumerate(model.get_weights())})
     if form == "pipeline":
-        expected = device_orders(built.schedule, len(built.devices))
+        expected = device_orders(built.schedule, len(built.devices), built.placement)
         if [list(map(tuple, o)) for o in orders] != expected:  # pragma: no cover - a bug
             raise RuntimeError(f"the pipeline ran {orders}, not its schedule's {expected}")
     return {"losses": [float(v) for v in history.history["loss"]],

@@ -26,7 +26,7 @@
 - ``accel.parallel.replicas`` (15): ``KerasReplicas``, a Keras model run by several devices on
   their shards, the base of ``Zero``, ``Offload`` and ``Accumulating``;
 - ``accel.parallel.pipeline`` (10): pipeline schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1
-  with the backward split into input-gradient and weight-gradient tasks) as plain data, no
+  and ZB-V with the backward split into input-gradient and weight-gradient tasks) as plain data, no
   TensorFlow;
 - ``accel.parallel.pipeline_exec`` (10): running any such schedule on TensorFlow devices;
   ``Pipeline``, a Keras ``Sequential`` trained that way;

@@ -11,8 +11,8 @@ name             form                             options
 ``data``         towers (``DataParallel``)        ``variable_device``
 ``model``        split, or hybrid with            ``balance``, ``replicas`` (then no
                  ``replicas`` (``ModelParallel``) ``devices``)
-``pipeline``     GPipe, 1F1B, interleaved         ``num_microbatches``, ``schedule``,
-                 (``Pipeline``)                   ``num_chunks``, ``balance``, ``recompute``
+``pipeline``     GPipe, 1F1B, interleaved,        ``num_microbatches``, ``schedule``,
+                 ZB-H1, ZB-V (``Pipeline``)       ``num_chunks``, ``balance``, ``recompute``
 ``tensor``       ``TensorParallel``               ``rules``
 ``zero``         ZeRO 0-3 (``Zero``)              ``stage``, ``accumulation_steps``, ...
 ``offload``      ``Offload``                      ``host``, ``accumulation_steps``, ...

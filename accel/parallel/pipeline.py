@@ -38,17 +38,33 @@ fills bubbles. A schedule without W keeps the meaning above (B = the whole backw
   microsoft/Megatron-DeepSpeed ``megatron/core/pipeline_parallel/deepspeed_zbh1_schedule.py``),
   also PyTorch's zero-bubble warm-up (``_get_1f1b_rank_ops`` with ``enable_zero_bubble``,
   ``torch/distributed/pipelining/schedules.py``).
+* ``zb_v_schedule(m, p)``: ZB-V (Qi et al., section 6): the model is cut into ``2p`` chunks
+  (virtual stages) placed as a V, device ``d`` holding chunks ``d`` and ``2p - 1 - d``
+  (``placement="v"``): the forward goes down the devices and back up, so the last chunk is on
+  device 0, which both starts the forward and computes the loss. Each device warms up with
+  forwards of its first chunk, then of both, then runs F, B, W in turn on each chunk, and
+  puts W off to fill the drain (the authors' hand-built order, ``get_zb_v_schedule`` in
+  sail-sg/zero-bubble-pipeline-parallelism ``megatron/core/pipeline_parallel/
+  handcrafted_zb_v``, the same as PyTorch's ``ScheduleZBVZeroBubble``). With F, B and W of
+  equal time (per chunk) each device idles ``p - 1`` chunk-ticks of ``6m + p - 1`` for
+  ``m >= 2p - 1`` (half of ZB-H1's ``p - 1`` stage-ticks, as a chunk is half a stage), and
+  each device holds at most ``2p`` chunk activations, ``p`` whole stages': 1F1B's first
+  stage's peak.
 
 All of them come from per-device task orders placed on the clock by ``clock_schedule``: a task
 runs at the first tick after the tasks it depends on (``dependencies``: the forward on the
 previous stage; for a backward, its own forward and the backward, B, on the next stage; for a
 W, its own B) and after its device's previous task. With every task one tick long the idle
 fraction of the clock is ``bubble_fraction(m, p) = (p-1)/(m+p-1)`` for GPipe and 1F1B,
-``bubble_fraction(m, p, v) = (p-1)/(v m + p-1)`` interleaved and ``(p-1)/(3m+p-1)`` for
-ZB-H1 (``idle_fraction`` measures it on a schedule).
+``bubble_fraction(m, p, v) = (p-1)/(v m + p-1)`` interleaved, ``(p-1)/(3m+p-1)`` for
+ZB-H1 and ``(p-1)/(6m+p-1)`` for ZB-V (``idle_fraction`` measures it on a schedule).
 
-Where a function takes ``num_devices``, stages are virtual: stage ``s`` on device
-``s % num_devices``; left out, every stage has a device of its own.
+Where a function takes ``num_devices``, stages are virtual, placed by ``placement``:
+``"loop"`` (the default: stage ``s`` on device ``s % num_devices``, as interleaved 1F1B wants)
+or ``"v"`` (``2 * num_devices`` stages, stage ``s`` on ``v_shape_device(s, num_devices)``, as
+ZB-V wants; ``stage_device`` says which device for either); left out, every stage has a device
+of its own. The tick format does not say where stages run: give the same placement to every
+function that reads a schedule (``SCHEDULE_PLACEMENT`` names each schedule's).
 """
 
 from __future__ import annotations
@@ -58,8 +74,10 @@ from collections.abc import Callable, Sequence
 from accel import checks
 
 __all__ = ["PHASES", "Task", "gpipe_orders", "one_f_one_b_orders", "interleaved_orders",
-           "zb_h1_orders", "clock_schedule", "dependencies", "splits_backward", "gpipe_schedule",
-           "one_f_one_b_schedule", "interleaved_schedule", "zb_h1_schedule",
+           "zb_h1_orders", "zb_v_orders", "PLACEMENTS", "SCHEDULE_PLACEMENT",
+           "v_shape_device", "stage_device", "infer_placement", "clock_schedule", "dependencies",
+           "splits_backward", "gpipe_schedule",
+           "one_f_one_b_schedule", "interleaved_schedule", "zb_h1_schedule", "zb_v_schedule",
            "SCHEDULES", "make_schedule", "validate_schedule", "stage_orders", "device_orders",
            "bubble_fraction", "idle_fraction", "peak_in_flight", "format_schedule", "simulate",
            "interval_idle_fractions"]
@@ -157,6 +175,119 @@ def zb_h1_orders(num_microbatches: int, num_stages: int) -> list[list[Task]]:
     return orders
 
 
+def zb_v_orders(num_microbatches: int, num_devices: int) -> list[list[Task]]:
+    """ZB-V's task order on each of ``num_devices`` devices (Qi et al. 2023, section 6): tasks
+    name the ``2p`` virtual stages placed as a V, device ``d`` holding stage ``d`` (its chunk
+    0) and stage ``2p - 1 - d`` (its chunk 1). Device ``d`` runs ``2 (p - d) - 1`` forwards
+    of chunk 0, then ``d`` pairs (forward of chunk 1, forward of chunk 0), then ``p - d``
+    triples F, B, W of chunk 1; then, while forwards remain, F, B, W of chunk 0 followed by F,
+    B, W of chunk 1; then ``d`` pairs (B of chunk 0, B of chunk 1) and ``p - d`` pairs (B, W of
+    chunk 0) whose W are the oldest put off, then the W still put off, chunk 1's first. This is
+    the authors' hand-built order (``get_zb_v_schedule`` in
+    sail-sg/zero-bubble-pipeline-parallelism ``megatron/core/pipeline_parallel/
+    handcrafted_zb_v``; PyTorch's ``ScheduleZBVZeroBubble._calculate_single_rank_operations``
+    is the same), built for ``max(m, 2p - 1)`` micro-batches and the tasks of micro-batches
+    ``>= m`` left out, as both do."""
+    _check_sizes(num_microbatches, num_devices)
+    m, p = num_microbatches, num_devices
+    n = max(m, 2 * p - 1)
+    orders = []
+    for d in range(p):
+        c0, c1 = d, 2 * p - 1 - d  # the device's two virtual stages
+        f0 = f1 = b0 = b1 = 0
+        order: list[Task] = []
+        for _ in range(2 * (p - d) - 1):
+            order.append((c0, f0, "F"))
+            f0 += 1
+        for _ in range(d):
+            order += [(c1, f1, "F"), (c0, f0, "F")]
+            f0, f1 = f0 + 1, f1 + 1
+        for _ in range(p - d):
+            order += [(c1, f1, "F"), (c1, b1, "B"), (c1, b1, "W")]
+            f1, b1 = f1 + 1, b1 + 1
+        while f1 < f0 or f0 < n:  # the steady state
+            if f0 < n:
+                order.append((c0, f0, "F"))
+                f0 += 1
+            order += [(c0, b0, "B"), (c0, b0, "W"), (c1, f1, "F"), (c1, b1, "B"), (c1, b1, "W")]
+            b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+        w0, w1 = b0, b1  # the drain: W put off, then run oldest first
+        for _ in range(d):
+            order += [(c0, b0, "B"), (c1, b1, "B")]
+            b0, b1 = b0 + 1, b1 + 1
+        for _ in range(p - d):
+            order += [(c0, b0, "B"), (c0, w0, "W")]
+            b0, w0 = b0 + 1, w0 + 1
+        order += [(c1, i, "W") for i in range(w1, b1)] + [(c0, i, "W") for i in range(w0, b0)]
+        orders.append([task for task in order if task[1] < m])
+    return orders
+
+
+PLACEMENTS = ("loop", "v")
+# the placement each named schedule's virtual stages need (``make_schedule``'s names)
+SCHEDULE_PLACEMENT = {"gpipe": "loop", "1f1b": "loop", "interleaved": "loop",
+                      "zb-h1": "loop", "zb-v": "v"}
+
+
+def v_shape_device(stage: int, num_devices: int) -> int:
+    """The device of virtual stage ``stage`` of ``2 * num_devices`` placed as a V (ZB-V,
+    Qi et al. section 6; ``generate_stage_to_rank_mapping(..., style="v")`` in PyTorch's
+    ``torch/distributed/pipelining/schedules.py``): ``stage`` if ``stage < p``, else
+    ``2p - 1 - stage``: down the devices, then back up."""
+    checks.positive_int("num_devices", num_devices)
+    checks.non_negative_int("stage", stage)
+    p = num_devices
+    if stage >= 2 * p:
+        raise ValueError(f"stage {stage} is not one of the {2 * p} stages a V places on "
+                         f"{p} devices")
+    return stage if stage < p else 2 * p - 1 - stage
+
+
+def stage_device(stage: int, num_stages: int, num_devices: int,
+                 placement: str = "loop") -> int:
+    """The device that runs virtual stage ``stage`` of ``num_stages`` on ``num_devices``:
+    ``stage % num_devices`` with ``placement="loop"``, ``v_shape_device`` with ``"v"``
+    (which needs ``num_stages == 2 * num_devices``)."""
+    _check_placement(num_stages, num_devices, placement)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage!r} is not one of the {num_stages} stages")
+    return stage % num_devices if placement == "loop" else v_shape_device(stage, num_devices)
+
+
+def _check_placement(num_stages: int, num_devices: int, placement: str) -> None:
+    _check_virtual(num_stages, num_devices)
+    checks.one_of("placement", placement, PLACEMENTS)
+    if placement == "v" and num_stages != 2 * num_devices:
+        raise ValueError(f"placement 'v' puts 2 stages on each device: {num_stages} stages "
+                         f"on {num_devices} devices need placement 'loop'")
+
+
+def _devices_of(num_stages: int, num_devices: int, placement: str) -> list[int]:
+    """Each stage's device: ``stage_device`` for every stage."""
+    _check_placement(num_stages, num_devices, placement)
+    return [s % num_devices if placement == "loop" else v_shape_device(s, num_devices)
+            for s in range(num_stages)]
+
+
+def infer_placement(stage_devices: Sequence) -> tuple[list, str]:
+    """The distinct devices (first seen first) of a list naming each stage's device, and the
+    placement they follow: ``"loop"`` (stage ``s`` on device ``s % p``, one device per stage
+    included) or ``"v"`` (2p stages, stage ``s`` on ``v_shape_device(s, p)``). ``ValueError``
+    for any other list."""
+    names = list(stage_devices)
+    devices = list(dict.fromkeys(names))
+    p = len(devices)
+    if not p:
+        raise ValueError("no stage: give one device per stage")
+    for placement in PLACEMENTS:
+        if (placement == "loop" or len(names) == 2 * p) and len(names) % p == 0 and \
+                names == [devices[d] for d in _devices_of(len(names), p, placement)]:
+            return devices, placement
+    raise ValueError(f"stage devices {names}: give one device per stage, {p} devices repeated "
+                     f"in order (stage s on the device of stage s % {p}), or {p} devices down "
+                     f"and back up as a V (stage s on the device of stage {2 * p - 1} - s)")
+
+
 def splits_backward(schedule: Sequence[Sequence[Task]]) -> bool:
     """Whether ``schedule`` (ticks, or per-device orders) holds W tasks: then its B tasks are
     input gradients only, and W the weight gradients (module docstring)."""
@@ -176,25 +307,28 @@ def dependencies(task: Task, num_stages: int) -> list[Task]:
     return deps + ([(stage + 1, mb, "B")] if stage < num_stages - 1 else [])
 
 
-def clock_schedule(orders: Sequence[Sequence[Task]],
-                   num_stages: int | None = None) -> list[list[Task]]:
+def clock_schedule(orders: Sequence[Sequence[Task]], num_stages: int | None = None,
+                   placement: str = "loop") -> list[list[Task]]:
     """Place per-device task orders on a clock of unit-length ticks: each task at the first tick
     after its dependencies and its device's previous task. ``orders[d]`` lists device ``d``'s
-    tasks; with ``num_stages`` (virtual stages, default one per device) a task's stage ``s``
-    must sit on device ``s % len(orders)``. ``ValueError`` if the orders deadlock (a task waits
-    for one that its own device can only run later)."""
+    tasks; with ``num_stages`` (virtual stages, default one per device) a task's stage must sit
+    on its device by ``placement`` (``stage_device``: ``"loop"``, stage ``s`` on device
+    ``s % len(orders)``, or ``"v"``). ``ValueError`` if the orders deadlock (a task waits for
+    one that its own device can only run later)."""
     p = len(orders)
     if p == 0:
         raise ValueError("orders is empty: give one task list per device")
-    num_stages = p if num_stages is None else _check_virtual(num_stages, p)
+    num_stages = p if num_stages is None else num_stages
+    device_of = _devices_of(num_stages, p, placement)
+    rule = f"stage % {p} == {{j}}" if placement == "loop" else f"placement {placement!r}"
     for j, order in enumerate(orders):
         for task in order:
             if not (isinstance(task, tuple) and len(task) == 3 and task[2] in PHASES
                     and isinstance(task[0], int) and 0 <= task[0] < num_stages
-                    and task[0] % p == j):
+                    and device_of[task[0]] == j):
                 raise ValueError(f"device {j}'s order holds {task!r}: tasks must be "
                                  f"{_TASK} with a stage < {num_stages} "
-                                 f"placed on device {j} (stage % {p} == {j})")
+                                 f"placed on device {j} ({rule.format(j=j)})")
     done: dict[Task, int] = {}
     position = [0] * p
     ticks: list[list[Task]] = []
@@ -212,7 +346,7 @@ def clock_schedule(orders: Sequence[Sequence[Task]],
                              f"for another ({waiting})")
         for task in ready:
             done[task] = tick
-            position[task[0] % p] += 1
+            position[device_of[task[0]]] += 1
         ticks.append(ready)
     return ticks
 
@@ -242,6 +376,12 @@ def zb_h1_schedule(num_microbatches: int, num_stages: int) -> list[list[Task]]:
     return clock_schedule(zb_h1_orders(num_microbatches, num_stages))
 
 
+def zb_v_schedule(num_microbatches: int, num_devices: int) -> list[list[Task]]:
+    """ZB-V on the clock: ``num_devices`` devices, ``2 * num_devices`` virtual stages placed as
+    a V (``placement="v"``), F, B and W one tick each (module docstring)."""
+    return clock_schedule(zb_v_orders(num_microbatches, num_devices), 2 * num_devices, "v")
+
+
 def interleaved_schedule(num_microbatches: int, num_stages: int,
                          num_chunks: int) -> list[list[Task]]:
     """Interleaved 1F1B on the clock: ``num_stages`` devices, ``num_chunks`` chunks each,
@@ -250,17 +390,24 @@ def interleaved_schedule(num_microbatches: int, num_stages: int,
                           num_stages * num_chunks)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
 def make_schedule(name: str, num_microbatches: int, num_stages: int,
-                  num_chunks: int = 1) -> list[list[Task]]:
-    """A schedule by name (``SCHEDULES``); ``num_chunks`` > 1 only for ``"interleaved"``."""
-    checks.positive_int("num_chunks", num_chunks)
-    if name == "interleaved":
-        return interleaved_schedule(num_microbatches, num_stages, num_chunks)
+                  num_chunks: int | None = None) -> list[list[Task]]:
+    """A schedule by name (``SCHEDULES``) on ``num_stages`` devices; ``num_chunks`` (chunks per
+    device) > 1 only for ``"interleaved"``; ``"zb-v"`` puts two chunks on each device
+    (``num_chunks`` 2 or left out) placed as a V (``SCHEDULE_PLACEMENT``)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {SCHEDULES}")
+    if name == "zb-v":
+        if num_chunks not in (None, 2):
+            raise ValueError(f"num_chunks={num_chunks!r}: 'zb-v' puts 2 chunks on each device "
+                             "(give num_chunks=2 or leave it out)")
+        return zb_v_schedule(num_microbatches, num_stages)
+    num_chunks = checks.positive_int("num_chunks", 1 if num_chunks is None else num_chunks)
+    if name == "interleaved":
+        return interleaved_schedule(num_microbatches, num_stages, num_chunks)
     if num_chunks != 1:
         raise ValueError(f"num_chunks={num_chunks} needs the 'interleaved' schedule; {name!r} "
                          "puts one chunk on each device")
@@ -270,14 +417,15 @@ def make_schedule(name: str, num_microbatches: int, num_stages: int,
 
 
 def validate_schedule(schedule: Sequence[Sequence[Task]], num_stages: int,
-                      num_microbatches: int, num_devices: int | None = None) -> None:
+                      num_microbatches: int, num_devices: int | None = None,
+                      placement: str = "loop") -> None:
     """``ValueError`` naming the first problem unless ``schedule`` runs every forward and every
     backward exactly once (and every W, if it holds any: then all of them), at most one task
-    per device per tick (stage ``s`` on device ``s % num_devices``; default: a device per
-    stage), and no task before the tasks it depends on (``dependencies``)."""
+    per device per tick (stage on device by ``placement``, ``stage_device``; default: a device
+    per stage), and no task before the tasks it depends on (``dependencies``)."""
     _check_sizes(num_microbatches, num_stages)
     num_devices = num_stages if num_devices is None else num_devices
-    _check_virtual(num_stages, num_devices)
+    device_of = _devices_of(num_stages, num_devices, placement)
     when: dict[Task, int] = {}
     for tick, tasks in enumerate(schedule):
         for task in tasks:
@@ -289,7 +437,7 @@ def validate_schedule(schedule: Sequence[Sequence[Task]], num_stages: int,
             if task in when:
                 raise ValueError(f"task {task!r} runs twice (ticks {when[task]} and {tick})")
             when[task] = tick
-        devices = [t[0] % num_devices for t in tasks]
+        devices = [device_of[t[0]] for t in tasks]
         if len(set(devices)) != len(devices):
             what = "a stage" if num_devices == num_stages else "a device"
             raise ValueError(f"tick {tick}: {what} runs two tasks at once ({list(tasks)})")
@@ -315,14 +463,19 @@ def stage_orders(schedule: Sequence[Sequence[Task]], num_stages: int) -> list[li
     return orders
 
 
-def device_orders(schedule: Sequence[Sequence[Task]], num_devices: int) -> list[list[Task]]:
-    """The order in which each device runs its tasks, stage ``s`` on device
-    ``s % num_devices`` (what a device's log should show)."""
+def device_orders(schedule: Sequence[Sequence[Task]], num_devices: int,
+                  placement: str = "loop") -> list[list[Task]]:
+    """The order in which each device runs its tasks (what a device's log should show), stage
+    ``s`` on device ``s % num_devices`` (``placement="loop"``) or ``v_shape_device(s,
+    num_devices)`` (``"v"``)."""
     checks.positive_int("num_devices", num_devices)
+    checks.one_of("placement", placement, PLACEMENTS)
+    device = (lambda s: s % num_devices) if placement == "loop" else (
+        lambda s: v_shape_device(s, num_devices))
     orders: list[list[Task]] = [[] for _ in range(num_devices)]
     for tasks in schedule:
         for task in sorted(tasks):
-            orders[task[0] % num_devices].append(task)
+            orders[device(task[0])].append(task)
     return orders
 
 
@@ -330,7 +483,18 @@ def bubble_fraction(num_microbatches: int, num_stages: int, num_chunks: int = 1,
                     schedule: str = "1f1b") -> float:
     """The idle share of a synchronous pipeline's clock on ``num_stages`` devices, every task
     one tick: (p - 1) / (v m + p - 1) for ``schedule`` ``"gpipe"``, ``"1f1b"`` (``v =
-    num_chunks`` = 1) and ``"interleaved"``; (p - 1) / (3m + p - 1) for ``"zb-h1"`` (m >= p).
+    num_chunks`` = 1) and ``"interleaved"``; (p - 1) / (3m + p - 1) for ``"zb-h1"`` (m >= p);
+    (p - 1) / (6m + p - 1) for ``"zb-v"`` (m >= 2p - 1; ``num_chunks`` 2, or 1 for the
+    default).
+
+    ZB-V, F, B and W of a chunk one tick each: device ``p - 1`` cannot start before micro-batch
+    0's forward has crossed the ``p - 1`` devices above it, and device 0 runs the last W, so
+    the clock holds ``6m`` tasks per device in ``6m + p - 1`` ticks: ``p - 1`` idle ticks on
+    every device (the authors' hand-built chart shifts device ``d``'s row by ``d`` ticks and
+    leaves no other gap). In stage-ticks (a chunk is half a stage) that is half a tick per
+    stage boundary, against ZB-H1's whole one; the README of
+    sail-sg/zero-bubble-pipeline-parallelism rates both ZB-V's and ZB-H2's bubble 0 (for
+    large ``m``). Below ``m = 2p - 1`` the warm-up is cut short and the bubble is larger.
 
     ZB-H1, F, B and W one tick each: stage 0's first B waits for micro-batch 0's forward to
     reach the last stage (tick p - 1) and its B to come back (ticks p .. 2p - 1), so stage 0
@@ -344,6 +508,12 @@ def bubble_fraction(num_microbatches: int, num_stages: int, num_chunks: int = 1,
     checks.positive_int("num_chunks", num_chunks)
     checks.one_of("schedule", schedule, SCHEDULES)
     m, p = num_microbatches, num_stages
+    if schedule == "zb-v":
+        if num_chunks not in (1, 2) or m < 2 * p - 1:
+            raise ValueError(f"the ZB-V formula holds for 2 chunks per device and "
+                             f"num_microbatches >= 2 num_stages - 1: got num_chunks="
+                             f"{num_chunks}, num_microbatches={m}, num_stages={p}")
+        return (p - 1) / (6 * m + p - 1)
     if schedule == "zb-h1":
         if num_chunks != 1 or m < p:
             raise ValueError(f"the ZB-H1 formula holds for one chunk and num_microbatches >= "
@@ -363,34 +533,41 @@ def idle_fraction(schedule: Sequence[Sequence[Task]], num_stages: int) -> float:
     return 1.0 - busy / (num_stages * len(schedule))
 
 
-def peak_in_flight(schedule: Sequence[Sequence[Task]], num_stages: int) -> list[int]:
+def peak_in_flight(schedule: Sequence[Sequence[Task]], num_stages: int,
+                   num_devices: int | None = None, placement: str = "loop") -> list[int]:
     """For each stage, the most micro-batches whose forward has run and backward has not (its
     W, where the schedule holds W tasks: W needs the activations): how many micro-batches'
-    activations the stage must stash at once."""
+    activations the stage must stash at once. With ``num_devices`` (virtual stages placed by
+    ``placement``): for each device, the most (stage, micro-batch) activations its stages hold
+    together at once, each a chunk's (``1 / v`` of a whole stage's, ``v`` stages a device)."""
     checks.positive_int("num_stages", num_stages)
-    held, peak = [0] * num_stages, [0] * num_stages
+    rows = num_stages if num_devices is None else num_devices
+    device_of = (list(range(num_stages)) if num_devices is None
+                 else _devices_of(num_stages, num_devices, placement))
+    held, peak = [0] * rows, [0] * rows
     release = "W" if splits_backward(schedule) else "B"
     for tasks in schedule:
         for stage, _, phase in tasks:
-            held[stage] += 1 if phase == "F" else -1 if phase == release else 0
-            peak[stage] = max(peak[stage], held[stage])
+            row = device_of[stage]
+            held[row] += 1 if phase == "F" else -1 if phase == release else 0
+            peak[row] = max(peak[row], held[row])
     return peak
 
 
 def format_schedule(schedule: Sequence[Sequence[Task]], num_stages: int,
-                    num_devices: int | None = None) -> str:
-    """The schedule as text: one row per stage (per device with ``num_devices``), one column
-    per tick, ``F3`` / ``B3`` / ``W3`` for the forward / backward / weight gradient of
-    micro-batch 3 (``F3c1``: on the
-    device's chunk 1, with virtual stages), ``.`` where the row idles."""
+                    num_devices: int | None = None, placement: str = "loop") -> str:
+    """The schedule as text: one row per stage (per device with ``num_devices``, stages placed
+    by ``placement``), one column per tick, ``F3`` / ``B3`` / ``W3`` for the forward / backward
+    / weight gradient of micro-batch 3 (``F3c1``: on the device's chunk 1, with virtual stages:
+    its second stage down the model), ``.`` where the row idles."""
     checks.positive_int("num_stages", num_stages)
     rows_n = num_stages if num_devices is None else num_devices
-    _check_virtual(num_stages, rows_n)
+    device_of = _devices_of(num_stages, rows_n, placement)
     cells = [["."] * len(schedule) for _ in range(rows_n)]
     for t, tasks in enumerate(schedule):
         for stage, mb, phase in tasks:
             chunk = f"c{stage // rows_n}" if rows_n != num_stages else ""
-            cells[stage % rows_n][t] = f"{phase}{mb}{chunk}"
+            cells[device_of[stage]][t] = f"{phase}{mb}{chunk}"
     width = max(2, *(len(c) for row in cells for c in row))
     label = "stage" if rows_n == num_stages else "device"
     head = f"{'tick':<{len(label) + 3}}" + " ".join(f"{t:>{width}}" for t in range(len(schedule)))

@@ -2,10 +2,13 @@
 
 A *stage* is a function ``fn(params, x) -> y`` with its variables, pinned to one device (the
 layers of one part of a split, ``accel.parallel.partition``). ``run_schedule`` executes any
-schedule in the format of ``accel.parallel.pipeline`` (GPipe, 1F1B, interleaved 1F1B, ZB-H1 or
-your own), after checking it with ``validate_schedule``. The stages' devices say where each runs:
-``p`` different devices for ``p`` stages, or, for virtual stages (interleaved 1F1B), the ``p``
-devices repeated, stage ``s`` on the device of stage ``s % p`` (``[d0, d1, d0, d1]``):
+schedule in the format of ``accel.parallel.pipeline`` (GPipe, 1F1B, interleaved 1F1B, ZB-H1,
+ZB-V or your own), after checking it with ``validate_schedule``. The stages' devices say where
+each runs: ``p`` different devices for ``p`` stages, or, for virtual stages, the ``p`` devices
+repeated, stage ``s`` on the device of stage ``s % p`` (``[d0, d1, d0, d1]``: interleaved
+1F1B's placement, ``"loop"``), or down and back up as a V, stage ``s >= p`` on the device of
+stage ``2p - 1 - s`` (``[d0, d1, d1, d0]``: ZB-V's placement, ``"v"``); the schedule is checked
+and run with the placement the devices follow (``pipeline.infer_placement``):
 
 * one Python thread per device runs that device's tasks in the schedule's order, each task
   starting when the tasks it depends on have finished (the device threads overlap, as devices
@@ -14,7 +17,7 @@ devices repeated, stage ``s`` on the device of stage ``s % p`` (``[d0, d1, d0, d
   (its activations are *stashed*) until the backward of ``i`` on ``s`` consumes it; with
   ``recompute=True`` only the stage's input is kept and the forward is run again during the
   backward (GPipe's rematerialisation);
-* in a schedule with W tasks (ZB-H1) the backward is split in two, as Qi et al. 2023
+* in a schedule with W tasks (ZB-H1, ZB-V) the backward is split in two, as Qi et al. 2023
   (arXiv:2401.10241, section 2) split it: B computes only the gradient with respect to the
   stage's inputs (what the previous stage waits for) and keeps the tape and the output
   gradients it was seeded with; W, later, computes the parameters' gradients from the same
@@ -57,17 +60,21 @@ from accel.parallel import graph, partition
 from accel.parallel import keras_model as km
 from accel.parallel.form import Form, device_list
 from accel.parallel.pipeline import (
+    SCHEDULE_PLACEMENT,
     Task,
     dependencies,
     device_orders,
+    infer_placement,
     interval_idle_fractions,
     make_schedule,
     splits_backward,
+    stage_device,
     validate_schedule,
 )
 from accel.training import make_update
 
 __all__ = ["Stage", "PipelineRun", "split_microbatches", "layer_stages", "stage_devices",
+           "stage_placement",
            "run_schedule", "make_pipeline_step", "measured_idle_fractions", "Pipeline"]
 
 
@@ -341,18 +348,17 @@ def _gradient(tape, targets, seeds, sources) -> list:
 
 
 def stage_devices(stages: Sequence[Stage]) -> list[str]:
-    """The distinct devices of ``stages`` (``ValueError`` unless stage ``s`` sits on the device
-    of stage ``s % p``, ``p`` the number of distinct devices: one device per stage, or virtual
-    stages placed round-robin as interleaved 1F1B wants)."""
-    names = [parse_device(st.device).to_string() for st in stages]
-    devices = list(dict.fromkeys(names))
-    p = len(devices)
-    if len(names) % p or any(names[s] != names[s % p] for s in range(len(names))) \
-            or names[:p] != devices:
-        raise ValueError(f"stage devices {[st.device for st in stages]}: give one device per "
-                         f"stage, or {p} devices repeated in order (stage s on the device of "
-                         f"stage s % {p})")
-    return devices
+    """The distinct devices of ``stages``, first seen first (``ValueError`` unless one device
+    per stage, or virtual stages placed round-robin as interleaved 1F1B wants, stage ``s`` on
+    the device of stage ``s % p``, or as a V as ZB-V wants, ``2p`` stages, stage ``s >= p`` on
+    the device of stage ``2p - 1 - s``; ``p`` the number of distinct devices)."""
+    return stage_placement(stages)[0]
+
+
+def stage_placement(stages: Sequence[Stage]) -> tuple[list[str], str]:
+    """``stage_devices(stages)`` and the placement they follow, ``"loop"`` or ``"v"``
+    (``accel.parallel.pipeline.infer_placement`` on the stages' device names)."""
+    return infer_placement([parse_device(st.device).to_string() for st in stages])
 
 
 def run_schedule(stages: Sequence[Stage], schedule, x, y, loss_fn: Callable,
@@ -368,11 +374,12 @@ def run_schedule(stages: Sequence[Stage], schedule, x, y, loss_fn: Callable,
     stages = list(stages)
     if not stages:
         raise ValueError("stages is empty: give one Stage per device")
-    num_devices = len(stage_devices(stages))
-    validate_schedule(schedule, len(stages), num_microbatches, num_devices)
+    devices, placement = stage_placement(stages)
+    num_devices = len(devices)
+    validate_schedule(schedule, len(stages), num_microbatches, num_devices, placement)
     run = _Run(stages, split_microbatches(x, y, num_microbatches), loss_fn, recompute, clock,
                loss_scale, split=splits_backward(schedule))
-    orders = device_orders(schedule, num_devices)
+    orders = device_orders(schedule, num_devices, placement)
     run.done = {task: threading.Event() for order in orders for task in order}
     threads = [threading.Thread(target=run.device_loop, args=(d, order), daemon=True,
                                 name=f"pipeline-device-{d}") for d, order in enumerate(orders)]
@@ -427,20 +434,22 @@ def measured_idle_fractions(run: PipelineRun) -> list[float]:
 
 
 class Pipeline(Form):
-    """A Keras ``Sequential`` trained as a pipeline: GPipe, 1F1B, interleaved 1F1B or ZB-H1.
+    """A Keras ``Sequential`` trained as a pipeline: GPipe, 1F1B, interleaved 1F1B, ZB-H1 or ZB-V.
 
     ``Pipeline(model, devices, loss=..., optimizer=..., num_microbatches=m)`` cuts the model's
-    layers into ``p * v`` consecutive stages (``p = len(devices)``, ``v = num_chunks``; stage
-    ``s`` on ``devices[s % p]``), by ``balance``: ``"count"`` (equal layer counts), ``"bytes"``
-    (parameter bytes), or a list of layer counts per stage (kakaobrain/torchgpipe's word).
+    layers into ``p * v`` consecutive stages (``p = len(devices)``, ``v = num_chunks``: left
+    out, 2 for ``"zb-v"``, else 1; stage ``s`` on ``devices[s % p]``, or for ``"zb-v"`` on the
+    device of ``pipeline.v_shape_device(s, p)``: ``placement`` says which), by ``balance``:
+    ``"count"`` (equal layer counts), ``"bytes"`` (parameter bytes), or a list of layer counts
+    per stage (kakaobrain/torchgpipe's word).
     Each stage trains a working copy of its layers made on its device
     (``accel.parallel.keras_model``); one Keras optimizer, copied from ``optimizer``'s config,
     updates all stages once per batch, its slots next to their variables.
 
     * ``run_step(x, y) -> PipelineRun``: one batch, split into ``m`` micro-batches, run in the
-      order of ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``: see
-      ``accel.parallel.pipeline``; ZB-H1 splits each backward into B and W, as
-      ``run_schedule`` says), then one update; the run (loss, gradients, each device's
+      order of ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``,
+      ``"zb-v"``: see ``accel.parallel.pipeline``; ZB-H1 and ZB-V split each backward into B
+      and W, as ``run_schedule`` says), then one update; the run (loss, gradients, each device's
       log of tasks) is also kept as ``last_run``. The user's model is not touched.
     * ``train_step``, ``fit`` (Keras's habits; batches a multiple of ``num_microbatches``) and
       ``write_back``: ``accel.parallel.form.Form``'s.
@@ -464,7 +473,7 @@ class Pipeline(Form):
                "split_points")
 
     def __init__(self, model, devices: Sequence[str], *, loss, optimizer,
-                 num_microbatches: int, schedule: str = "1f1b", num_chunks: int = 1,
+                 num_microbatches: int, schedule: str = "1f1b", num_chunks: int | None = None,
                  balance="count", recompute: bool = False,
                  split_points: Sequence[str] | None = None):
         self.model = model
@@ -472,10 +481,12 @@ class Pipeline(Form):
         self.layers = [c.layer for c in self.graph.calls]
         self.devices = device_list(devices)  # num_chunks puts several stages on one device
         self.num_microbatches = checks.positive_int("num_microbatches", num_microbatches)
-        self.num_chunks = checks.positive_int("num_chunks", num_chunks)
         p = len(self.devices)
-        self.schedule = make_schedule(schedule, self.num_microbatches, p, self.num_chunks)
+        self.schedule = make_schedule(schedule, self.num_microbatches, p, num_chunks)
+        self.num_chunks = 2 if schedule == "zb-v" else checks.positive_int(
+            "num_chunks", 1 if num_chunks is None else num_chunks)
         self.schedule_name = schedule
+        self.placement = SCHEDULE_PLACEMENT[schedule]  # where stage s runs: stage_device
         self.balance = graph.split_sizes(self.graph, p * self.num_chunks, split_points, balance)
         self.graph_parts = graph.cut(self.graph, self.balance)
         if recompute and any(layer.non_trainable_weights for layer in self.layers):
@@ -485,7 +496,8 @@ class Pipeline(Form):
         self.loss_fn = km.loss_function(loss)
         self.optimizer = self.make_optimizer(optimizer)
         self.last_run: PipelineRun | None = None
-        stage_devices_ = [self.devices[s % p] for s in range(p * self.num_chunks)]
+        stage_devices_ = [self.devices[stage_device(s, p * self.num_chunks, p, self.placement)]
+                          for s in range(p * self.num_chunks)]
         self.parts = [gp.layers for gp in self.graph_parts]
         self.copies = [graph.copy_part(self.graph, gp, device)
                        for gp, device in zip(self.graph_parts, stage_devices_, strict=True)]

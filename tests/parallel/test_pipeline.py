@@ -290,3 +290,99 @@ def test_w_tasks_in_validation_dependencies_and_text():
         pl.bubble_fraction(2, 4, schedule="zb-h1")
     with pytest.raises(ValueError, match="schedule must be one of"):
         pl.bubble_fraction(2, 4, schedule="zb-h2")
+
+
+# ---------------------------------------------------------------------- ZB-V (V placement)
+# Qi et al. 2023, section 6, with the authors' hand-built order (handcrafted_zb_v in
+# sail-sg/zero-bubble-pipeline-parallelism; PyTorch's ScheduleZBVZeroBubble): p = 2 devices,
+# 2p = 4 chunks placed as a V (device 0: stages 0 and 3, device 1: stages 1 and 2), m = 4;
+# F, B, W of a chunk one tick each. Worked out by hand from the orders (device 0: 3 forwards of
+# chunk 0, then F B W of chunk 1 twice, ...; device 1: F c0, F c1, F c0, F B W c1, ...) and the
+# dependencies; "c1" is the device's second chunk (stage 3 on device 0, stage 2 on device 1).
+ZB_V_4_2 = [
+    "F0c0 F1c0 F2c0 F0c1 B0c1 W0c1 F1c1 B1c1 W1c1 F3c0 B0c0 W0c0 F2c1 B2c1 W2c1 B1c0 W1c0 "
+    "F3c1 B3c1 W3c1 B2c0 W2c0 B3c0 W3c0 .",
+    ". F0c0 F0c1 F1c0 F1c1 B0c1 W0c1 F2c0 B0c0 W0c0 F2c1 B1c1 W1c1 F3c0 B1c0 W1c0 F3c1 B2c1 "
+    "W2c1 B2c0 B3c1 B3c0 W2c0 W3c1 W3c0",
+]
+
+
+def test_zb_v_against_the_table_written_by_hand():
+    schedule = pl.zb_v_schedule(4, 2)
+    text = pl.format_schedule(schedule, 4, num_devices=2, placement="v").splitlines()
+    assert [line.split()[2:] for line in text[1:]] == [row.split() for row in ZB_V_4_2]
+    stage = {(0, "c0"): 0, (0, "c1"): 3, (1, "c0"): 1, (1, "c1"): 2}  # the V, by hand
+    by_hand = [[(stage[(d, c[-2:])], int(c[1:-2]), c[0]) for c in row.split() if c != "."]
+               for d, row in enumerate(ZB_V_4_2)]
+    assert pl.zb_v_orders(4, 2) == by_hand
+    assert pl.device_orders(schedule, 2, placement="v") == by_hand
+    pl.validate_schedule(schedule, 4, 4, num_devices=2, placement="v")
+    # one "." on each row: 2 idle device-ticks of 2 x 25
+    assert sum(row.split().count(".") for row in ZB_V_4_2) == 2
+    assert pl.idle_fraction(schedule, 2) == pytest.approx(2 / 50)
+    assert pl.make_schedule("zb-v", 4, 2) == pl.make_schedule("zb-v", 4, 2, 2) == schedule
+    # device 0 holds 4 chunk activations at tick 3 (F0-F2 of chunk 0, F0 of chunk 1): 2 stages'
+    assert pl.peak_in_flight(schedule, 4, num_devices=2, placement="v") == [4, 4]
+    assert pl.peak_in_flight(schedule, 4) == [4, 3, 2, 1]  # per stage, down the model
+
+
+@pytest.mark.parametrize("m, p", [(3, 2), (4, 2), (8, 4), (5, 3), (12, 3), (7, 4)])
+def test_zb_v_bubble_chart_and_peak_memory(m, p):
+    """Unit ticks, m >= 2p - 1: the clock is 6m + p - 1 ticks (p - 1 idle on every device);
+    device d's k-th task runs at tick d + k, the authors' hand-built chart (their rows start
+    after d empty slots and hold no other gap); each device holds 2p chunk activations at its
+    peak, p whole stages': the peak of 1F1B's first stage."""
+    schedule = pl.zb_v_schedule(m, p)
+    pl.validate_schedule(schedule, 2 * p, m, num_devices=p, placement="v")
+    assert len(schedule) == 6 * m + p - 1
+    assert pl.idle_fraction(schedule, p) == pytest.approx((p - 1) / (6 * m + p - 1))
+    assert pl.bubble_fraction(m, p, schedule="zb-v") == pytest.approx((p - 1) / (6 * m + p - 1))
+    when = {task: t for t, tasks in enumerate(schedule) for task in tasks}
+    for d, order in enumerate(pl.zb_v_orders(m, p)):
+        assert [when[task] for task in order] == [d + k for k in range(6 * m)]
+    peak = pl.peak_in_flight(schedule, 2 * p, num_devices=p, placement="v")
+    assert [n / 2 for n in peak] == [p] * p == [max(pl.peak_in_flight(
+        pl.one_f_one_b_schedule(m, p), p))] * p
+    logs = pl.simulate(pl.zb_v_orders(m, p), lambda task: 1.0, num_stages=2 * p)
+    assert all(start == when[task] for log in logs for task, start, _ in log)
+
+
+@pytest.mark.parametrize("m, p", [(1, 2), (2, 2), (1, 3), (4, 4)])
+def test_zb_v_with_few_microbatches_still_runs_every_task(m, p):
+    """Below 2p - 1 micro-batches the orders leave out the missing micro-batches (as the
+    authors' and PyTorch's do): valid, no deadlock, a larger bubble than the formula's."""
+    schedule = pl.zb_v_schedule(m, p)
+    pl.validate_schedule(schedule, 2 * p, m, num_devices=p, placement="v")
+    assert pl.idle_fraction(schedule, p) > (p - 1) / (6 * m + p - 1)
+    with pytest.raises(ValueError, match="the ZB-V formula holds for 2 chunks per device and "
+                                         "num_microbatches >= 2 num_stages - 1"):
+        pl.bubble_fraction(m, p, schedule="zb-v")
+
+
+def test_placements_by_hand_and_errors():
+    assert [pl.v_shape_device(s, 3) for s in range(6)] == [0, 1, 2, 2, 1, 0]
+    assert [pl.stage_device(s, 6, 3) for s in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert [pl.stage_device(s, 4, 2, "v") for s in range(4)] == [0, 1, 1, 0]
+    assert pl.infer_placement(["a", "b", "b", "a"]) == (["a", "b"], "v")
+    assert pl.infer_placement(["a", "b", "a", "b"]) == (["a", "b"], "loop")
+    assert pl.infer_placement(["a", "b"]) == (["a", "b"], "loop")
+    with pytest.raises(ValueError, match=r"stage devices \['a', 'b', 'a', 'a'\]: give one "
+                                         "device per stage"):
+        pl.infer_placement(["a", "b", "a", "a"])
+    with pytest.raises(ValueError, match="stage 4 is not one of the 4 stages a V places"):
+        pl.v_shape_device(4, 2)
+    with pytest.raises(ValueError, match="placement 'v' puts 2 stages on each device: 6 stages"):
+        pl.stage_device(0, 6, 2, "v")
+    with pytest.raises(ValueError, match="placement must be one of"):
+        pl.device_orders([], 2, placement="zigzag")
+    # the tick format does not say where stages run: ZB-V read with the loop placement puts
+    # stages 0 and 2 (both on device 0 then) in tick 2
+    with pytest.raises(ValueError, match=r"tick 2: a device runs two tasks at once \(\[\(0, 2, "
+                                         r"'F'\), \(2, 0, 'F'\)\]\)"):
+        pl.validate_schedule(pl.zb_v_schedule(4, 2), 4, 4, num_devices=2)
+    with pytest.raises(ValueError, match=r"device 0's order holds \(1, 0, 'F'\).*placed on "
+                                         r"device 0 \(placement 'v'\)"):
+        pl.clock_schedule([[(1, 0, "F")], []], num_stages=4, placement="v")
+    with pytest.raises(ValueError, match="num_chunks=3: 'zb-v' puts 2 chunks on each device"):
+        pl.make_schedule("zb-v", 4, 2, 3)
+    assert set(pl.SCHEDULE_PLACEMENT) == set(pl.SCHEDULES)

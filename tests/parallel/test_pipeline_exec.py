@@ -199,6 +199,31 @@ def test_zb_h1_equals_single_device(p, m, recompute, batch, four_devices):
     assert run.peak_stash == pl.peak_in_flight(schedule, p) == [p] * p
 
 
+def assert_keras_form_equals_fit(z, devices, schedule, **options):
+    """``Pipeline(..., schedule=schedule)`` on the Keras MLP, 4 micro-batches: the first step's
+    loss and gradients equal one device's, each device ran the schedule's order (W after B),
+    and the weights after three Adam steps equal Keras's ``fit``'s. Returns the form."""
+    model = z.MODELS["mlp"]()
+    x, y = z.data_for(model)
+    ref, _ = z.keras_fit(model, z.OPTIMIZERS["adam"](), x, y)
+    pipe = pe.Pipeline(model, devices, loss="mse", optimizer=z.OPTIMIZERS["adam"](),
+                       num_microbatches=4, schedule=schedule, **options)
+    loss0, grads0 = z.first_gradients(model, x, y)
+    run = pipe.run_step(x[:z.BATCH], y[:z.BATCH])
+    z.assert_close(run.loss, loss0, "first loss")
+    z.assert_close(z.flat(sum(run.grads, [])), z.flat(grads0), "first gradients")
+    assert run.orders() == pl.device_orders(pl.make_schedule(schedule, 4, len(devices)),
+                                            len(devices), pl.SCHEDULE_PLACEMENT[schedule])
+    assert_w_after_b(run)
+    for k in range(1, z.STEPS):
+        pipe.run_step(x[k * z.BATCH:(k + 1) * z.BATCH], y[k * z.BATCH:(k + 1) * z.BATCH])
+    pipe.write_back()
+    scale = max(np.abs(w).max() for w in ref.get_weights())
+    for i, (a, b) in enumerate(zip(model.get_weights(), ref.get_weights(), strict=True)):
+        z.assert_close(a, b, f"weight {i} after {z.STEPS} steps", scale)
+    return pipe
+
+
 def test_zb_h1_steps_and_keras_form_equal_one_device(batch, four_devices, keras_zoo):
     """make_pipeline_step with ZB-H1 for three SGD steps, and the Keras form
     ``Pipeline(..., schedule="zb-h1")`` for three Adam steps against Keras's ``fit``."""
@@ -211,21 +236,54 @@ def test_zb_h1_steps_and_keras_form_equal_one_device(batch, four_devices, keras_
     for got, want in zip([v.numpy() for st in stages for v in st.params], weights, strict=True):
         assert_close(got, want)
 
-    z = keras_zoo
-    model = z.MODELS["mlp"]()
-    x, y = z.data_for(model)
-    ref, _ = z.keras_fit(model, z.OPTIMIZERS["adam"](), x, y)
-    pipe = pe.Pipeline(model, four_devices[:2], loss="mse", optimizer=z.OPTIMIZERS["adam"](),
-                       num_microbatches=4, schedule="zb-h1")
-    loss0, grads0 = z.first_gradients(model, x, y)
-    run = pipe.run_step(x[:z.BATCH], y[:z.BATCH])
-    z.assert_close(run.loss, loss0, "first loss")
-    z.assert_close(z.flat(sum(run.grads, [])), z.flat(grads0), "first gradients")
-    assert run.orders() == pl.device_orders(pl.zb_h1_schedule(4, 2), 2)
+    assert_keras_form_equals_fit(keras_zoo, four_devices[:2], "zb-h1")
+
+
+# ---------------------------------------------------------------------- ZB-V: stages as a V
+@pytest.mark.parametrize("m, recompute", [(4, False), (2, True)])
+def test_zb_v_on_two_devices_equals_single_device(m, recompute, batch, four_devices):
+    """Four chunks on two devices placed as a V (stages 0 and 3 on the first, 1 and 2 on the
+    second): the loss and every gradient equal one device's; each device ran the schedule's
+    order for that placement, W after its B; the stash per stage is the schedule's."""
+    params = models.mlp_init(SIZES, seed=8)
+    d0, d1 = four_devices[:2]
+    stages = dense_stages([d0, d1, d1, d0], [1, 1, 1, 1], params)
+    assert pe.stage_placement(stages) == ([d0, d1], "v")
+    schedule = pl.zb_v_schedule(m, 2)
+    run = pe.run_schedule(stages, schedule, *batch, squared_error, m, recompute=recompute)
+    loss, grads, _ = single_device(params, *batch)
+    assert_close(run.loss, loss)
+    for got, want in zip([g for stage in run.grads for g in stage], grads, strict=True):
+        assert_close(got.numpy(), want)
+    assert run.orders() == pl.device_orders(schedule, 2, placement="v") == pl.zb_v_orders(m, 2)
     assert_w_after_b(run)
-    for k in range(1, z.STEPS):
-        pipe.run_step(x[k * z.BATCH:(k + 1) * z.BATCH], y[k * z.BATCH:(k + 1) * z.BATCH])
-    pipe.write_back()
-    scale = max(np.abs(w).max() for w in ref.get_weights())
-    for i, (a, b) in enumerate(zip(model.get_weights(), ref.get_weights(), strict=True)):
-        z.assert_close(a, b, f"weight {i} after {z.STEPS} steps", scale)
+    assert run.peak_stash == pl.peak_in_flight(schedule, 4)
+    for s, stage in enumerate(stages):  # stage s's variables on the device of the V
+        want = [d0, d1][pl.v_shape_device(s, 2)].split("/")[-1]
+        assert {v.device.split("/")[-1] for v in stage.params} == {want}
+
+
+def test_zb_v_refused_on_a_loop_placement_and_bad_placements(batch, four_devices):
+    """ZB-V's ticks on stages placed round-robin would run two tasks on one device at once:
+    refused before anything runs, as is a placement that is neither a loop nor a V."""
+    d0, d1 = four_devices[:2]
+    params = models.mlp_init(SIZES)
+    loop = dense_stages([d0, d1, d0, d1], [1, 1, 1, 1], params)
+    with pytest.raises(ValueError, match="a device runs two tasks at once"):
+        pe.run_schedule(loop, pl.zb_v_schedule(4, 2), *batch, squared_error, 4)
+    neither = dense_stages([d0, d1, d0, d0], [1, 1, 1, 1], params)
+    with pytest.raises(ValueError, match="give one device per stage, 2 devices repeated"):
+        pe.stage_devices(neither)
+
+
+def test_zb_v_keras_form_equals_one_device(four_devices, keras_zoo):
+    """``Pipeline(..., schedule="zb-v")``: four chunks of the Keras MLP on two devices as a V,
+    three Adam steps against Keras's ``fit``; the first step's loss and gradients against one
+    device's."""
+    pipe = assert_keras_form_equals_fit(keras_zoo, four_devices[:2], "zb-v", num_chunks=2)
+    assert (pipe.num_chunks, pipe.placement) == (2, "v")
+    assert [st.device for st in pipe.stages] == [four_devices[k] for k in (0, 1, 1, 0)]
+    assert pipe.last_run.orders() == pl.zb_v_orders(4, 2)
+    with pytest.raises(ValueError, match="num_chunks=1: 'zb-v' puts 2 chunks on each device"):
+        pe.Pipeline(pipe.model, four_devices[:2], loss="mse", optimizer="sgd",
+                    num_microbatches=4, schedule="zb-v", num_chunks=1)
