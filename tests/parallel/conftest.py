@@ -1,5 +1,7 @@
 """Keras models the library did not build, and Keras training them on one device: the
-references every Keras form is checked against (``keras_zoo``)."""
+references every Keras form is checked against (``keras_zoo``); and Keras' Adam on one device
+beside the by-hand sharded steps (``steps_like_adam``); a mixture-of-experts layer's output and
+gradients (``moe_run``)."""
 
 import hashlib
 import json
@@ -9,6 +11,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+from accel import collectives
+from accel.training import squared_error
 
 RTOL = 1e-5
 BATCH, STEPS = 16, 3
@@ -174,3 +179,58 @@ def keras_zoo():
         RTOL=RTOL, BATCH=BATCH, STEPS=STEPS, assert_close=assert_close, MODELS=MODELS,
         OPTIMIZERS=OPTIMIZERS, data_for=data_for, clone=clone, keras_fit=keras_fit,
         first_gradients=first_gradients, flat=flat)
+
+
+def _steps_like_adam(step, params, x, y, devices, steps, hyper, model_fn):
+    vs = [tf.Variable(np.asarray(p, np.float64)) for p in params]
+    opt = tf.keras.optimizers.Adam(**hyper)
+    n = len(devices)
+    xs = collectives.place(list(np.split(x, n)), devices)
+    ys = collectives.place(list(np.split(y, n)), devices)
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(squared_error(y, model_fn(vs, x)))
+        opt.apply_gradients(zip(tape.gradient(loss, vs), vs, strict=False))
+        got = float(sum(v.numpy() for v in step.step(xs, ys)))
+        assert got == pytest.approx(float(loss), rel=1e-12)
+    return vs, xs, ys
+
+
+@pytest.fixture(scope="session")
+def steps_like_adam():
+    """``run(step, params, x, y, devices, steps, hyper, model_fn)``: ``steps`` steps of a by-hand
+    ``step`` (``ZeroStep`` or ``OffloadStep`` whose ``devices`` each get a slice of the batch)
+    beside Keras' Adam (``hyper``) on one device and the whole batch in float64, each step's
+    loss equal to the reference's (rel 1e-12); returns the reference variables and the placed
+    ``xs``, ``ys``."""
+    return _steps_like_adam
+
+
+def _expert_variables(gate, experts, devices):
+    """The gate as a variable, and each expert's two weights as variables on its device
+    (expert ``e`` on ``devices[e // (len(experts) / len(devices))]``, as the sharded layers
+    want them)."""
+    per = len(experts) // len(devices)
+    es = []
+    for e, (a, b) in enumerate(experts):
+        with tf.device(devices[e // per]):
+            es.append((tf.Variable(a), tf.Variable(b)))
+    return tf.Variable(gate), es
+
+
+def _outputs_and_gradients(fn, x, g, es):
+    """``fn(xt, g, es) -> (y, extra)``; the output, extra and the gradients of sum(sin(y)) for
+    the input, the gate and every expert weight."""
+    with tf.GradientTape() as tape:
+        xt = tf.constant(x)
+        tape.watch(xt)
+        y, extra = fn(xt, g, es)
+        loss = tf.reduce_sum(tf.sin(y))
+    return y.numpy(), extra, tape.gradient(loss, [xt, g] + [w for e in es for w in e])
+
+
+@pytest.fixture(scope="session")
+def moe_run():
+    """``variables(gate, experts, devices) -> (g, es)`` and ``run(fn, x, g, es) -> (y, extra,
+    gradients)``: a mixture-of-experts layer's variables placed, and its output and gradients."""
+    return types.SimpleNamespace(variables=_expert_variables, run=_outputs_and_gradients)

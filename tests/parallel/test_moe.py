@@ -83,34 +83,18 @@ def reference(x, gate, experts, k, factor, groups):
     return tf.stack(rows), dropped
 
 
-def _outputs_and_gradients(run, x, gate, experts, devs):
-    """``run(xt, gate_var, expert_vars) -> (y, dropped per group)``, experts placed as the
-    sharded layer wants them; the output, the drops and the gradients of sum(sin(y)) for the
-    input, the gate and every expert weight."""
-    per = len(experts) // len(devs)
-    g_var = tf.Variable(gate)
-    e_vars = []
-    for e, (a, b) in enumerate(experts):
-        with tf.device(devs[e // per]):
-            e_vars.append((tf.Variable(a), tf.Variable(b)))
-    with tf.GradientTape() as tape:
-        xt = tf.constant(x)
-        tape.watch(xt)
-        y, dropped = run(xt, g_var, e_vars)
-        loss = tf.reduce_sum(tf.sin(y))
-    return y.numpy(), dropped, tape.gradient(loss, [xt, g_var] + [w for e in e_vars for w in e])
-
-
 @pytest.mark.parametrize("k, factor, n", [(1, 1.0, 4), (1, 0.5, 2), (2, 0.75, 2),
                                           (2, 1.0, 4)])
-def test_sharded_and_one_device_equal_an_independent_reference(four_devices, k, factor, n):
+def test_sharded_and_one_device_equal_an_independent_reference(four_devices, moe_run, k, factor,
+                                                              n):
     """Top-1 (Switch) and top-2 (GShard), each with choices dropped at its capacity: the layer
     on one device (group by group) and with its experts on n devices (all-to-all each way)
     against ``reference``, outputs and gradients."""
     devs = four_devices[:n]
     x, gate, experts = _problem()
-    want_y, want_dropped, want_grads = _outputs_and_gradients(
-        lambda xt, g, es: reference(xt, g, es, k, factor, n), x, gate, experts, devs)
+    want_y, want_dropped, want_grads = moe_run.run(
+        lambda xt, g, es: reference(xt, g, es, k, factor, n), x,
+        *moe_run.variables(gate, experts, devs))
     assert sum(want_dropped) > 0  # every case drops some choices
 
     def one_device(xt, g, es):
@@ -123,7 +107,7 @@ def test_sharded_and_one_device_equal_an_independent_reference(four_devices, k, 
         return tf.concat(ys, 0), [r.dropped for r in routings]
 
     for run in (one_device, sharded):
-        y, dropped, grads = _outputs_and_gradients(run, x, gate, experts, devs)
+        y, dropped, grads = moe_run.run(run, x, *moe_run.variables(gate, experts, devs))
         np.testing.assert_allclose(y, want_y, rtol=1e-10, atol=1e-12)
         assert dropped == want_dropped
         for got, want in zip(grads, want_grads, strict=True):

@@ -60,39 +60,18 @@ def reference_expert_choice(x, gate, experts, factor):
     return tf.stack(out), picked
 
 
-def _variables(gate, experts, devices):
-    per = len(experts) // len(devices)
-    g = tf.Variable(gate)
-    es = []
-    for e, (a, b) in enumerate(experts):
-        with tf.device(devices[e // per]):
-            es.append((tf.Variable(a), tf.Variable(b)))
-    return g, es
-
-
-def _run(fn, x, g, es):
-    """``fn(xt, g, es) -> (y, extra)``; the output, extra and the gradients of sum(sin(y)) for
-    the input, the gate and every expert weight."""
-    with tf.GradientTape() as tape:
-        xt = tf.constant(x)
-        tape.watch(xt)
-        y, extra = fn(xt, g, es)
-        loss = tf.reduce_sum(tf.sin(y))
-    return y.numpy(), extra, tape.gradient(loss, [xt, g] + [w for e in es for w in e])
-
-
 def _close(got, want):
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("k, bias", [(1, None), (2, None), (2, [0.3, -0.2, 0.0, 0.1]),
                                      (3, [-0.5, 0.5, 0.0, 0.0])])
-def test_dropless_layer_equals_the_token_by_token_reference(four_devices, k, bias):
+def test_dropless_layer_equals_the_token_by_token_reference(four_devices, moe_run, k, bias):
     x, gate, experts = _problem()
-    g, es = _variables(gate, experts, four_devices)
-    want_y, want_chosen, want_grads = _run(
+    g, es = moe_run.variables(gate, experts, four_devices)
+    want_y, want_chosen, want_grads = moe_run.run(
         lambda xt, g, es: reference_dropless(xt, g, es, k, bias), x, g, es)
-    got_y, got_chosen, got_grads = _run(
+    got_y, got_chosen, got_grads = moe_run.run(
         lambda xt, g, es: moe.dropless_layer(xt, g, es, k, bias)[:2], x, g, es)
     _close(got_y, want_y)
     assert got_chosen.numpy().tolist() == want_chosen
@@ -101,18 +80,19 @@ def test_dropless_layer_equals_the_token_by_token_reference(four_devices, k, bia
 
 
 @pytest.mark.parametrize("n, k, bias", [(2, 1, None), (4, 2, None), (4, 2, [0.2, 0, 0, -0.2])])
-def test_dropless_sharded_equals_the_reference_and_counts_its_bytes(four_devices, n, k, bias):
+def test_dropless_sharded_equals_the_reference_and_counts_its_bytes(four_devices, moe_run, n, k,
+                                                                   bias):
     devs = four_devices[:n]
     x, gate, experts = _problem()
-    g, es = _variables(gate, experts, devs)
-    want_y, want_chosen, want_grads = _run(
+    g, es = moe_run.variables(gate, experts, devs)
+    want_y, want_chosen, want_grads = moe_run.run(
         lambda xt, g, es: reference_dropless(xt, g, es, k, bias), x, g, es)
 
     def sharded(xt, g, es):
         ys, chosen, sent = moe.dropless_sharded(tf.split(xt, n), g, es, devs, k, bias)
         return tf.concat(ys, 0), (chosen, sent)
 
-    got_y, (chosen, sent), got_grads = _run(sharded, x, g, es)
+    got_y, (chosen, sent), got_grads = moe_run.run(sharded, x, g, es)
     _close(got_y, want_y)
     assert np.concatenate([c.numpy() for c in chosen]).tolist() == want_chosen
     for a, b in zip(got_grads, want_grads, strict=True):
@@ -130,12 +110,12 @@ def test_dropless_sharded_equals_the_reference_and_counts_its_bytes(four_devices
 
 
 @pytest.mark.parametrize("factor", [1.0, 0.5, 2.0])
-def test_expert_choice_equals_the_expert_by_expert_reference(four_devices, factor):
+def test_expert_choice_equals_the_expert_by_expert_reference(four_devices, moe_run, factor):
     x, gate, experts = _problem()
-    g, es = _variables(gate, experts, four_devices)
-    want_y, want_picked, want_grads = _run(
+    g, es = moe_run.variables(gate, experts, four_devices)
+    want_y, want_picked, want_grads = moe_run.run(
         lambda xt, g, es: reference_expert_choice(xt, g, es, factor), x, g, es)
-    got_y, got_picked, got_grads = _run(
+    got_y, got_picked, got_grads = moe_run.run(
         lambda xt, g, es: moe.expert_choice_layer(xt, g, es, factor), x, g, es)
     _close(got_y, want_y)
     assert got_picked.numpy().tolist() == want_picked

@@ -17,23 +17,14 @@ SIZES = [8, 12, 4]  # 8*12 + 12 + 12*4 + 4 = 160 parameters
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_weights_equal_single_device_adam(four_devices, n):
+def test_weights_equal_single_device_adam(four_devices, steps_like_adam, n):
     host, accs = four_devices[0], four_devices[1:1 + n]
     params = mlp_init(SIZES, seed=2)
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(12, 8)), rng.normal(size=(12, 4))
-    vs = [tf.Variable(p.astype(np.float64)) for p in params]
-    opt = tf.keras.optimizers.Adam(**HYPER)
     step = OffloadStep(params, accs, host, squared_error, **HYPER, dtype=tf.float64,
                        model_fn=mlp_apply)
-    xs = collectives.place(list(np.split(x, n)), accs)
-    ys = collectives.place(list(np.split(y, n)), accs)
-    for _ in range(4):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(squared_error(y, mlp_apply(vs, x)))
-        opt.apply_gradients(zip(tape.gradient(loss, vs), vs, strict=False))
-        got = float(sum(v.numpy() for v in step.step(xs, ys)))
-        assert got == pytest.approx(float(loss), rel=1e-12)
+    vs, _, _ = steps_like_adam(step, params, x, y, accs, 4, HYPER, mlp_apply)
     master = np.concatenate([m.numpy() for m in step.master])[:160]
     np.testing.assert_allclose(master, np.concatenate([v.numpy().ravel() for v in vs]),
                                rtol=1e-10, atol=1e-12)

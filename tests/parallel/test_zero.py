@@ -122,22 +122,14 @@ def _tanh(params, h):
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_the_layers_are_the_callers(four_devices, stage):
+def test_the_layers_are_the_callers(four_devices, steps_like_adam, stage):
     """Any layer functions, not only the MLP's: tanh layers, the last one too (float64)."""
     params = mlp_init(SIZES, seed=4)
     x, y = _data()
-    vs = [tf.Variable(p.astype(np.float64)) for p in params]
-    opt = tf.keras.optimizers.Adam(**HYPER)
     step = ZeroStep(params, four_devices[:2], stage, squared_error, **HYPER, dtype=tf.float64,
                     layer_fns=[_tanh, _tanh])
-    xs = collectives.place(list(np.split(x, 2)), four_devices[:2])
-    ys = collectives.place(list(np.split(y, 2)), four_devices[:2])
-    for _ in range(3):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(squared_error(y, _tanh(vs[2:], _tanh(vs[:2], x))))
-        opt.apply_gradients(zip(tape.gradient(loss, vs), vs, strict=False))
-        got = float(sum(v.numpy() for v in step.step(xs, ys)))
-        assert got == pytest.approx(float(loss), rel=1e-12)
+    vs, _, _ = steps_like_adam(step, params, x, y, four_devices[:2], 3, HYPER,
+                               lambda w, h: _tanh(w[2:], _tanh(w[:2], h)))
     for got, want in zip(step.weights(0), vs, strict=True):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-12)
 
@@ -146,24 +138,15 @@ DEEP = [6, 8, 8, 8, 4]  # four layers: prefetch has something to order
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_stage3_prefetch_equals_single_device_adam(four_devices, prefetch):
+def test_stage3_prefetch_equals_single_device_adam(four_devices, steps_like_adam, prefetch):
     """The gather order changes nothing computed: weights after 3 steps equal Keras' Adam on one
     device (float64), and the bytes sent equal the formula."""
     params = mlp_init(DEEP, seed=5)
     rng = np.random.default_rng(2)
     x, y = rng.normal(size=(8, DEEP[0])), rng.normal(size=(8, DEEP[-1]))
-    vs = [tf.Variable(p.astype(np.float64)) for p in params]
-    opt = tf.keras.optimizers.Adam(**HYPER)
     step = ZeroStep(params, four_devices, 3, squared_error, **HYPER, dtype=tf.float64,
                     layer_fns=fns(params), prefetch=prefetch)
-    xs = collectives.place(list(np.split(x, 4)), four_devices)
-    ys = collectives.place(list(np.split(y, 4)), four_devices)
-    for _ in range(3):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(squared_error(y, mlp_apply(vs, x)))
-        opt.apply_gradients(zip(tape.gradient(loss, vs), vs, strict=False))
-        got = float(sum(v.numpy() for v in step.step(xs, ys)))
-        assert got == pytest.approx(float(loss), rel=1e-12)
+    vs, xs, ys = steps_like_adam(step, params, x, y, four_devices, 3, HYPER, mlp_apply)
     for got, want in zip(step.weights(), vs, strict=True):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-12)
     sent = collectives.sent_bytes(step.step, xs, ys)  # identities and control edges: no bytes
