@@ -10,6 +10,8 @@ session run.
 - ``profile_trace(fn, logdir)``: call ``fn()`` between ``tf.profiler.experimental.start`` and
   ``stop`` and return the ``*.xplane.pb`` file TensorFlow wrote (open the logdir with
   ``tensorboard --logdir`` and the profile plugin: ``pip install -e ".[profile]"``).
+- ``read_trace(fn, read, logdir=None)``: ``read(path)`` of that file; without ``logdir`` the
+  trace goes to a temporary folder, removed once read (a trace is several MB).
 - ``trace_events(path)`` / ``summarize_trace(events)``: read that file's events back and
   total them per op name, as a table.
 - ``op_runs(path)``: the TensorFlow ops of that file (op name, type, start and end on one
@@ -26,6 +28,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +38,7 @@ from accel import checks
 from accel.placement import Placement, short_device
 
 __all__ = ["Interval", "traced_run", "step_intervals", "copy_intervals", "profile_trace",
+           "read_trace",
            "TraceEvent", "trace_events", "OpRun", "op_runs", "device_timeline", "summarize_trace",
            "format_summary", "MemoryEvent", "memory_timeline",
            "log_severity", "visible_at_level"]
@@ -137,6 +141,17 @@ def profile_trace(fn: Callable[[], object], logdir: str) -> str:
     if not found:
         raise ValueError(f"no *.xplane.pb under {logdir!r}/plugins/profile after the trace")
     return max(found, key=os.path.getmtime)
+
+
+def read_trace(fn: Callable[[], object], read: Callable[[str], object],
+               logdir: str | None = None):
+    """``read(path)`` of the trace of ``fn()`` (``profile_trace``), e.g. ``read=op_runs``: the
+    trace is written under ``logdir`` and kept there (for TensorBoard), or, without one, into
+    a temporary folder that is removed once ``read`` has returned."""
+    if logdir is not None:
+        return read(profile_trace(fn, logdir))
+    with tempfile.TemporaryDirectory(prefix="accel-trace-") as tmp:
+        return read(profile_trace(fn, tmp))
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ tables, profiler traces against the ops that ran, and TF_CPP_MIN_LOG_LEVEL again
 started at each level."""
 
 import functools
+import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -76,6 +78,30 @@ def test_profiler_trace_counts_the_ops_that_ran(four_devices, tmp_path):
         profile.trace_events(path), names=["MatMul", "AddV2", "_Send"]))
     expected = {t: sum(r.op_type == t for r in ran) for t in ("MatMul", "AddV2", "_Send")}
     assert rows == expected == {"MatMul": 3, "AddV2": 1, "_Send": 2}
+
+
+def test_read_trace_reads_the_trace_then_removes_its_folder(four_devices, tmp_path,
+                                                            monkeypatch):
+    """Without a logdir the trace goes to a temporary folder that is gone once read; with one
+    it stays there. The ops read back are those ``placement_of`` lists for the function."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where TemporaryDirectory goes
+    step = _two_branch_step()
+    xs = tf.ones((32, 32))
+    step(xs)
+    seen = []
+
+    def read(path):
+        seen.append(path)
+        return [r.type for r in profile.op_runs(path)]
+
+    types = profile.read_trace(lambda: step(xs), read)
+    assert types.count("MatMul") == sum(r.op_type == "MatMul"
+                                        for r in placement.placement_of(step, xs)) == 3
+    assert seen[0].startswith(str(tmp_path)) and not os.path.exists(seen[0])
+    assert os.listdir(tmp_path) == []
+    kept = str(tmp_path / "kept")
+    profile.read_trace(lambda: step(xs), read, kept)
+    assert seen[1].startswith(kept) and os.path.exists(seen[1])
 
 
 def test_profile_trace_rejects_a_non_callable(tmp_path):

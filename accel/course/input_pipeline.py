@@ -30,7 +30,6 @@ import itertools
 import numbers
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -165,7 +164,7 @@ def iterator_chain(dataset: tf.data.Dataset, elements: int = 2) -> list[str]:
 
     Read from a profile, the documented way ("Analyze tf.data performance with the TF
     Profiler": each iterator event has the long name ``Iterator::<Dataset_1>::...``): a fresh
-    iterator yields ``elements`` elements under ``accel.profile.profile_trace``, and the
+    iterator yields ``elements`` elements under ``accel.profile.read_trace``, and the
     longest ``Iterator::Root::...`` event name of the trace is split at ``::``. For a linear
     pipeline that is the whole chain; for ``interleave`` and ``flat_map`` it is the outer
     pipeline (the datasets opened per input element, e.g. per file, are left out)."""
@@ -176,16 +175,19 @@ def iterator_chain(dataset: tf.data.Dataset, elements: int = 2) -> list[str]:
     if not isinstance(dataset, tf.data.Dataset):
         raise ValueError(f"expected a tf.data.Dataset, got {type(dataset).__name__}")
     checks.positive_int("elements", elements)
-    with tempfile.TemporaryDirectory(prefix="accel-trace-") as logdir:
-        try:
-            path = profile.profile_trace(
-                lambda: [None for _ in itertools.islice(dataset, elements)], logdir)
-        except tf.errors.AlreadyExistsError:
-            raise RuntimeError("a profiler session is already running: stop it "
-                               "(tf.profiler.experimental.stop()) first") from None
+
+    def read(path):
         space = xplane_pb2.XSpace()
         with open(path, "rb") as f:
             space.ParseFromString(f.read())
+        return space
+
+    try:
+        space = profile.read_trace(lambda: [None for _ in itertools.islice(dataset, elements)],
+                                   read)
+    except tf.errors.AlreadyExistsError:
+        raise RuntimeError("a profiler session is already running: stop it "
+                           "(tf.profiler.experimental.stop()) first") from None
     names = [m.name.split("::")[2:] for plane in space.planes
              for m in plane.event_metadata.values()
              if m.name.startswith(("Iterator::Root::", "Iterator::Model::"))

@@ -91,18 +91,20 @@ def overlapping_pairs(session, fetches) -> int:
                for a0, a1 in spans["chain0"] for b0, b1 in spans["chain1"])
 
 
-def step_memory_timeline(logdir: str, variant: str = "plain", batch: int = 1024, blocks: int = 8,
-                         width: int = 128) -> list[profile.MemoryEvent]:
+def step_memory_timeline(variant: str = "plain", batch: int = 1024, blocks: int = 8,
+                         width: int = 128, logdir: str | None = None
+                         ) -> list[profile.MemoryEvent]:
     """The allocator's record of one gradient step of ``accel.memory.savings``' residual MLP
-    (``variant``: one of its ``VARIANTS``), read from a profiler trace written under ``logdir``
-    (``accel.profile.memory_timeline``): every allocation and free, with the bytes in use after
+    (``variant``: one of its ``VARIANTS``), read from a profiler trace
+    (``accel.profile.read_trace``, kept under ``logdir`` if given;
+    ``accel.profile.memory_timeline``): every allocation and free, with the bytes in use after
     it. The step is traced and run once before the profiled call. On a CPU the allocator
     records only with ``TF_CPU_ALLOCATOR_USE_BFC=true``; without it this raises ValueError."""
     params = residual_mlp(blocks, width)
     x = tf.constant(np.random.default_rng(1).normal(size=(batch, width)).astype(np.float32))
     step = tf.function(lambda: gradient_step(params, x, variant))
     step()[0].numpy()
-    events = profile.memory_timeline(profile.profile_trace(lambda: step()[0].numpy(), logdir))
+    events = profile.read_trace(lambda: step()[0].numpy(), profile.memory_timeline, logdir)
     if not events:
         raise ValueError("the trace holds no allocator events: on CPU set "
                          "TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow's first op")

@@ -7,7 +7,7 @@ averaging (``accel.parallel.data``'s ``bucket_bytes``) shown on a deep MLP.
   bucket size, and the one-device reference, every copy starting from the same weights;
 * ``waits_for(step, x, y)``: per bucket, the layers it holds and the layers whose weight
   gradients its sum waits for (read from the traced graph: the sum's ancestors);
-* ``traced_buckets(step, x, y, logdir)``: one executed step read back from a profiler trace
+* ``traced_buckets(step, x, y)``: one executed step read back from a profiler trace
   (``accel.profile.op_runs``): when each bucket's sum started, when the towers' backward
   ended, and the intervals of a timeline (``accel.viz.timeline``).
 """
@@ -105,13 +105,14 @@ def waits_for(model, step, x, y) -> list[tuple[list[str], list[str]]]:
     return out
 
 
-def traced_buckets(step, x, y, logdir: str) -> dict:
-    """One executed step of ``step`` read from a profiler trace: ``sums`` (per bucket, the
+def traced_buckets(step, x, y, logdir: str | None = None) -> dict:
+    """One executed step of ``step`` read from a profiler trace (``accel.profile.read_trace``,
+    kept under ``logdir`` if given): ``sums`` (per bucket, the
     start and end of its sum, ms from the step's first op), ``backward_end`` (the last weight
     or input gradient ``MatMul`` of any tower), and ``intervals``: ``(lane, start, end,
     label)`` for ``accel.viz.timeline``, a lane per tower's backward (labelled by layer) and
     one for the sums (labelled ``b0``, ``b1``...)."""
-    runs = profile.op_runs(profile.profile_trace(lambda: step(x, y), logdir))
+    runs = profile.read_trace(lambda: step(x, y), profile.op_runs, logdir)
     backward, sums, intervals = [], {}, []
     for r in runs:
         tower = re.match(r"gradient_tape/tower_(\d+)/", r.name)

@@ -353,9 +353,10 @@ def pack_order(step, model, device: str) -> list[Pack]:
     return packs
 
 
-def traced_packs(step, packs: Sequence[Pack], device: str, logdir: str) -> dict:
+def traced_packs(step, packs: Sequence[Pack], device: str, logdir: str | None = None) -> dict:
     """One executed run of ``step`` (run once before, so that nothing is traced or set up
-    inside the trace) read from a profiler trace, on ``device``'s ops: ``runs`` (per pack, in
+    inside the trace) read from a profiler trace (``accel.profile.read_trace``, kept under
+    ``logdir`` if given), on ``device``'s ops: ``runs`` (per pack, in
     ``packs``' order: when its data was ready, when its collective started and when it ended,
     ms from the trace's first op), ``backward_end`` (when the device's last backward ``MatMul``
     ended), ``in_order`` (whether the collectives started in ``packs``' order) and
@@ -370,7 +371,7 @@ def traced_packs(step, packs: Sequence[Pack], device: str, logdir: str) -> dict:
                 if op.type == "MatMul" and op.name.startswith("gradient_tape/")
                 and _on(op.device, device)}
     step()
-    runs = profile.op_runs(profile.profile_trace(step, logdir))
+    runs = profile.read_trace(step, profile.op_runs, logdir)
     found = {r.name: r for r in runs}
     missing = [name for p in packs for name in (p.op, p.data) if name not in found]
     if missing:

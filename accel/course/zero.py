@@ -221,9 +221,10 @@ def gather_waits(step, xs, ys) -> dict[str, list[str]]:
 _STAGE3_OP = re.compile(r"(?:gradient_tape/)?(fwd|bwd)_(gather|layer)_(\d+)/")
 
 
-def stage3_timeline(step, xs, ys, logdir: str, device: int = 0) -> dict:
+def stage3_timeline(step, xs, ys, logdir: str | None = None, device: int = 0) -> dict:
     """One step of ``ZeroStep`` stage 3 run under TensorFlow's profiler and read back
-    (``accel.profile.op_runs``: every op on one clock), for device ``device``: ``intervals``,
+    (``accel.profile.read_trace``, kept under ``logdir`` if given; ``op_runs``: every op on
+    one clock), for device ``device``: ``intervals``,
     ``(lane, start, end, label)`` for ``accel.viz.timeline`` (lane ``"all-gather"``: the
     gathers' concatenations, ``"layer"``: the layers' matmuls; labels ``f<layer>`` forward,
     ``b<layer>`` backward) in ms from the first of them, and ``early``: how many gathers
@@ -232,8 +233,8 @@ def stage3_timeline(step, xs, ys, logdir: str, device: int = 0) -> dict:
     where = collectives.check_devices(step.devices)[device]
     graph = step.step.get_concrete_function(xs, ys).graph
     placed = {op.name: op.device for op in graph.get_operations()}
-    runs = profile.op_runs(profile.profile_trace(lambda: [v.numpy() for v in step.step(xs, ys)],
-                                                 logdir))
+    runs = profile.read_trace(lambda: [v.numpy() for v in step.step(xs, ys)], profile.op_runs,
+                              logdir)
     spans: dict[tuple, list] = {}
     for r in runs:
         hit = _STAGE3_OP.match(r.name)

@@ -163,14 +163,13 @@ def test_step_memory_timeline_by_hand(tmp_path):
     (2 MiB, its ReLU then writes in place) and a 1024 x 128 one (0.5 MiB, the residual add
     writes in place), all kept for the backward pass; recomputation allocates each block's
     products once more during the backward pass."""
-    plain = course_memory.step_memory_timeline(str(tmp_path / "p"), "plain", 1024, 2, 128)
+    plain = course_memory.step_memory_timeline("plain", 1024, 2, 128, logdir=str(tmp_path / "p"))
     forward = [e for e in plain if e.op in ("MatMul", "MatMul_1", "MatMul_2", "MatMul_3")]
     assert [e.requested for e in forward] == [2 * 2**20, 2**19, 2 * 2**20, 2**19]
     # ReLU and the residual add write into their input's buffer: no allocation of their own
     assert not [e for e in plain if e.op.startswith(("Relu", "add"))]
     assert all(a.time <= b.time for a, b in zip(plain, plain[1:], strict=False))
-    recomputed = course_memory.step_memory_timeline(str(tmp_path / "r"), "recompute", 1024, 2,
-                                                    128)
+    recomputed = course_memory.step_memory_timeline("recompute", 1024, 2, 128)
     products = [e for e in recomputed if e.requested == 2 * 2**20 and "gradient_tape" not in e.op]
     assert len(products) == 4  # 2 forward + 2 rebuilt
     assert course_memory._backward_start(plain) is not None

@@ -2,7 +2,6 @@
 computations: NumPy with ml_dtypes' bfloat16 for the sums, TensorFlow's packing rule worked by
 hand for the packs, one device's gradient for the all-reduced sums."""
 
-import tempfile
 
 import ml_dtypes
 import numpy as np
@@ -87,7 +86,7 @@ def test_traced_packs_sum_like_one_device_and_start_in_order(small, four_devices
     for got, ref in zip(summed, one, strict=True):
         np.testing.assert_allclose(got.numpy(), 4 * ref.numpy(), rtol=1e-5,
                                    atol=1e-6 * np.abs(4 * ref.numpy()).max())
-    seen = traffic.traced_packs(step, packs, four_devices[0], tempfile.mkdtemp())
+    seen = traffic.traced_packs(step, packs, four_devices[0])
     assert seen["in_order"]
     assert len(seen["runs"]) == len(packs)
     assert all(ready <= start <= end for ready, start, end in seen["runs"])
@@ -118,7 +117,7 @@ def test_layer_pack_step_sums_every_layer_and_gates_the_backward(small, four_dev
     # TensorFlow's own packing gates nothing
     own = traffic.pack_step(strategy, model, x, y, 256)
     assert all(p.gates == () for p in traffic.pack_order(own, model, four_devices[0]))
-    seen = traffic.traced_packs(step, packs, four_devices[0], tempfile.mkdtemp())
+    seen = traffic.traced_packs(step, packs, four_devices[0])
     # the control edges guarantee it: every pack but the first layer's exists before the end
     assert seen["made_before_end"] >= len(packs) - 1
     assert seen["made_order"] == list(range(len(packs)))
