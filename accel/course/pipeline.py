@@ -505,7 +505,8 @@ def measure_overhead(devices_: Sequence[str], steps: int = 8, batch: int = 64, r
                      others: bool = True) -> dict:
     """Seconds per step of ``fit(epochs=1)`` over ``steps`` batches of ``batch`` (write-back
     included), the median of ``rounds`` interleaved calls, for Keras's ``fit`` on one device,
-    ``Pipeline`` with p = 1, m = 1, with p = 2, m = 4 (1F1B, and interleaved with v = 2), the
+    ``Pipeline`` with p = 1, m = 1, with p = 2, m = 4 (1F1B, 1F1B with ``recompute=True``, whose
+    backward task is one traced call, and interleaved with v = 2), the
     same two-stage cut on one device (one thread runs all 16 tasks: no hand-offs between
     threads, no devices competing) and, with ``others``, every other form on one device."""
     from accel.parallel.forms import make_form
@@ -523,15 +524,16 @@ def measure_overhead(devices_: Sequence[str], steps: int = 8, batch: int = 64, r
     keras_model = overhead_model()
     keras_model.compile(optimizer=adam(), loss="mse")
     one, two = list(devices_[:1]), list(devices_[:2])
-    pipelines = {"pipeline p=1 m=1": (one, 1, "1f1b", 1),
-                 "pipeline p=2 m=4 1F1B": (two, 4, "1f1b", 1),
-                 "pipeline p=2 m=4 interleaved v=2": (two, 4, "interleaved", 2),
-                 "2 stages on 1 device, m=4": (one, 4, "interleaved", 2)}
+    pipelines = {"pipeline p=1 m=1": (one, 1, "1f1b", 1, False),
+                 "pipeline p=2 m=4 1F1B": (two, 4, "1f1b", 1, False),
+                 "pipeline p=2 m=4 1F1B, recompute": (two, 4, "1f1b", 1, True),
+                 "pipeline p=2 m=4 interleaved v=2": (two, 4, "interleaved", 2, False),
+                 "2 stages on 1 device, m=4": (one, 4, "interleaved", 2, False)}
     fns = {"keras fit": fitting(keras_model)}
-    for name, (devs, m, schedule, v) in pipelines.items():
+    for name, (devs, m, schedule, v, again) in pipelines.items():
         fns[name] = fitting(make_form("pipeline", overhead_model(), devs, loss="mse",
                                       optimizer=adam(), num_microbatches=m, schedule=schedule,
-                                      num_chunks=v))
+                                      num_chunks=v, recompute=again))
     if others:
         for name, (form, options) in _OVERHEAD_FORMS.items():
             # offload's host: the second device (on a GPU machine, a CPU would be the host)
@@ -547,8 +549,8 @@ def overhead_report(step_s: dict) -> dict:
     16 tasks (2 stages x 4 micro-batches x forward and backward); the interleaved run has 32
     tasks, and the one-device run the same 16 tasks as 1F1B."""
     fit = step_s["keras fit"]
-    tasks = {"pipeline p=2 m=4 1F1B": 16, "pipeline p=2 m=4 interleaved v=2": 32,
-             "2 stages on 1 device, m=4": 16}
+    tasks = {"pipeline p=2 m=4 1F1B": 16, "pipeline p=2 m=4 1F1B, recompute": 16,
+             "pipeline p=2 m=4 interleaved v=2": 32, "2 stages on 1 device, m=4": 16}
     return {"ratio": {k: v / fit for k, v in step_s.items()},
             "per_task_s": {k: (step_s[k] - fit) / n for k, n in tasks.items() if k in step_s}}
 

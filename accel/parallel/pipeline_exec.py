@@ -16,7 +16,8 @@ and run with the placement the devices follow (``pipeline.infer_placement``):
 * the forward of micro-batch ``i`` on stage ``s`` runs under a ``tf.GradientTape`` that is kept
   (its activations are *stashed*) until the backward of ``i`` on ``s`` consumes it; with
   ``recompute=True`` only the stage's input is kept and the forward is run again during the
-  backward (GPipe's rematerialisation);
+  backward (GPipe's rematerialisation; a traced stage runs both in one traced call,
+  ``Stage.recomputed_gradients``, where no W task needs its tape);
 * in a schedule with W tasks (ZB-H1, ZB-V) the backward is split in two, as Qi et al. 2023
   (arXiv:2401.10241, section 2) split it: B computes only the gradient with respect to the
   stage's inputs (what the previous stage waits for) and keeps the tape and the output
@@ -105,10 +106,7 @@ class Stage:
         key = (id(loss_fn), input_grads)
         if key not in self._traced_fns:
             def out(x, y, share):
-                if not input_grads:
-                    x = tf.nest.map_structure(tf.stop_gradient, x)
-                with tf.device(self.device):
-                    return _stage_output(self, loss_fn, x, y, share)
+                return self._forward(loss_fn, input_grads, x, y, share)
             self._traced_fns[key] = (tf.function(out) if self.traced else out, loss_fn)
         return self._traced_fns[key][0]
 
@@ -120,12 +118,45 @@ class Stage:
         fn = self.output_fn(loss_fn, input_grads)
         if not self.traced:
             return fn(x, y, share)
-        key = ("concrete", id(loss_fn), input_grads, len(tf.nest.flatten(x)),
-               *((tuple(t.shape), t.dtype) for t in tf.nest.flatten((x, y)) if t is not None))
+        return self._concrete(("output", id(loss_fn), input_grads), fn, x, y, share)
+
+    def recomputed_gradients(self, loss_fn: Callable | None, input_grads: bool, x, y, share,
+                             output_grads, loss_scale) -> list:
+        """A traced stage's backward with recomputation as one call: the forward runs again
+        under a tape inside a ``tf.function``, which returns the gradients of ``x``'s float
+        tensors (with ``input_grads``) and of the parameters, seeded as ``_Run.backward``
+        seeds them (``output_grads``: the next stage's, ``None`` on the last stage;
+        ``loss_scale`` or ``None``). An eager tape around the forward's call and its
+        ``gradient`` cost 1.3 ms on the overhead benchmark's 2-layer stage; the one call 0.67."""
+        key = ("recompute", id(loss_fn), input_grads)
+        if key not in self._traced_fns:
+            def back(x, y, share, output_grads, loss_scale):
+                inputs = km.float_tensors(tf.nest.flatten(x)) if input_grads else []
+                with tf.GradientTape() as tape:
+                    tape.watch(inputs)
+                    out, extra = self._forward(loss_fn, input_grads, x, y, share)
+                with tf.device(self.device):
+                    targets, seeds = _targets_and_seeds(out, extra, output_grads, loss_scale)
+                    return _gradient(tape, targets, seeds, [*inputs, *self.params])
+            self._traced_fns[key] = tf.function(back)
+        return self._concrete(key, self._traced_fns[key], x, y, share, output_grads, loss_scale)
+
+    def _forward(self, loss_fn, input_grads: bool, x, y, share):
+        if not input_grads:
+            x = tf.nest.map_structure(tf.stop_gradient, x)
+        with tf.device(self.device):
+            return _stage_output(self, loss_fn, x, y, share)
+
+    def _concrete(self, key: tuple, fn, *args):
+        """``fn(*args)`` through the concrete function of ``fn`` (a ``tf.function``) traced for
+        the arguments' structure, shapes and dtypes, kept under ``key`` and those."""
+        flat = tf.nest.flatten(args)
+        key = (*key, tuple(len(tf.nest.flatten(a)) for a in args),
+               *(None if t is None else (tuple(t.shape), t.dtype) for t in flat))
         concrete = self._traced_fns.get(key)
         if concrete is None:
-            concrete = self._traced_fns[key] = fn.get_concrete_function(x, y, share)
-        return concrete(x, y, share)
+            concrete = self._traced_fns[key] = fn.get_concrete_function(*args)
+        return concrete(*args)
 
 
 def _stage_output(stage: Stage, loss_fn, x, y, share):
@@ -289,29 +320,26 @@ class _Run:
         the seeds stay stashed for ``weights``."""
         stage, last = self.stages[s], s == len(self.stages) - 1
         saved = self.stash.pop((s, i))
+        # the gradient the next stage sent back for each float tensor passed on (none: the loss)
+        output_grads = None if last else self.input_grads.pop((s + 1, i))
+        # stage 0 needs no gradient of its input; the others, of each float tensor received
+        inputs = [] if s == 0 else km.float_tensors(tf.nest.flatten(saved[0]))
         with tf.device(stage.device):
-            if self.recompute:  # run the forward again, now under a tape
-                x = saved[0]
-                tape, out, extra = self._taped(s, i, x)
+            if self.recompute and stage.traced and not self.split:  # one call: forward, backward
+                share = tf.constant(self.shares[i], tf.float32)
+                grads = stage.recomputed_gradients(
+                    self.loss_fn if last else None, s > 0, saved[0],
+                    self.micro[i][1] if last else None, share, output_grads, self.loss_scale)
             else:
-                x, tape, out, extra = saved
-            # stage 0 needs no gradient of its input; the others, of each float tensor received
-            inputs = [] if s == 0 else km.float_tensors(tf.nest.flatten(x))
-            sources = inputs if self.split else [*inputs, *stage.params]
-            seed = None  # the loss's own gradient: 1, or the loss scale (fit scales the loss)
-            if self.loss_scale is not None and (last or extra is not None):
-                seed = tf.cast(self.loss_scale, (out if last else extra).dtype)
-            if last:
-                targets, seeds = [out], [seed]
-            else:  # each float tensor passed on, with the gradient the next stage sent back
-                targets = km.float_tensors(tf.nest.flatten(out))
-                seeds = self.input_grads.pop((s + 1, i))
-            if extra is not None:  # the stage's own loss terms join the gradient
-                targets, seeds = targets + [extra], seeds + [
-                    tf.ones_like(extra) if seed is None else seed]
-            if self.split:
-                tape, of_weights = tape
-            grads = _gradient(tape, targets, seeds, sources) if sources else []
+                if self.recompute:  # run the forward again, now under a tape
+                    tape, out, extra = self._taped(s, i, saved[0])
+                else:
+                    _, tape, out, extra = saved
+                sources = inputs if self.split else [*inputs, *stage.params]
+                targets, seeds = _targets_and_seeds(out, extra, output_grads, self.loss_scale)
+                if self.split:
+                    tape, of_weights = tape
+                grads = _gradient(tape, targets, seeds, sources) if sources else []
         if s > 0:
             self.input_grads[(s, i)], grads = list(grads[:len(inputs)]), grads[len(inputs):]
         if self.split:
@@ -353,6 +381,24 @@ class _Run:
                     self.error = exc
                     where = "" if task is None else f"stage {task[0]} "
                     exc.add_note(f"raised by pipeline {where}on {self.stages[d].device}")
+
+
+def _targets_and_seeds(out, extra, output_grads, loss_scale) -> tuple[list, list]:
+    """What a stage's backward differentiates and the gradients it seeds them with: on the last
+    stage (``output_grads`` ``None``) the loss, seeded with the loss scale (``None``: 1, the
+    loss's own gradient); elsewhere each float tensor the stage passed on, with the gradient the
+    next stage sent back; the stage's own loss terms ``extra`` join, seeded with the scale."""
+    seed = None
+    if loss_scale is not None and (output_grads is None or extra is not None):
+        seed = tf.cast(loss_scale, (out if output_grads is None else extra).dtype)
+    if output_grads is None:
+        targets, seeds = [out], [seed]
+    else:
+        targets, seeds = km.float_tensors(tf.nest.flatten(out)), list(output_grads)
+    if extra is not None:
+        targets, seeds = targets + [extra], seeds + [tf.ones_like(extra) if seed is None
+                                                     else seed]
+    return targets, seeds
 
 
 def _gradient(tape, targets, seeds, sources) -> list:

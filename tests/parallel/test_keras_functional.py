@@ -155,15 +155,18 @@ def make(form, name, devices):
         every = [c.name for c in graph.model_graph(model).calls][1:4]
         return model, Pipeline(model, devices[:2], schedule="interleaved", num_chunks=2,
                                num_microbatches=2, split_points=every, **kw), 2
-    return model, Pipeline(model, devices[:len(points) + 1], schedule=form, num_microbatches=4,
-                           split_points=points, **kw), 4
+    recompute = form.endswith("-recompute")  # the forward run again inside the backward's call
+    return model, Pipeline(model, devices[:len(points) + 1], schedule=form.split("-")[0],
+                           num_microbatches=4, split_points=points, recompute=recompute, **kw), 4
 
 
 # the split on every model; the hybrid, each schedule on the models whose crossings test them
 CASES = ([("split", m) for m in ("cnn", "text", "two")]
          + [("hybrid", "cnn"), ("hybrid", "two"), ("hybrid", "text"), ("gpipe", "two"),
-            ("1f1b", "cnn"), ("1f1b", "text"), ("interleaved", "cnn"), ("interleaved", "two")])
-QUICK = {("split", "cnn"), ("1f1b", "cnn"), ("gpipe", "two"), ("hybrid", "text")}
+            ("1f1b", "cnn"), ("1f1b", "text"), ("interleaved", "cnn"), ("interleaved", "two"),
+            ("1f1b-recompute", "two"), ("1f1b-recompute", "text")])
+QUICK = {("split", "cnn"), ("1f1b", "cnn"), ("gpipe", "two"), ("hybrid", "text"),
+         ("1f1b-recompute", "two")}
 
 
 @pytest.mark.parametrize("form,name", [pytest.param(f, m, marks=() if (f, m) in QUICK else SLOW)

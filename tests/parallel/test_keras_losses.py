@@ -194,6 +194,9 @@ def forms(devices):
         "1f1b": lambda m, loss: Pipeline(m, d[:2], loss=loss, schedule="1f1b",
                                          optimizer=keras.optimizers.Adam(0.02),
                                          num_microbatches=4),
+        "1f1b-recompute": lambda m, loss: Pipeline(m, d[:2], loss=loss, schedule="1f1b",
+                                                   optimizer=keras.optimizers.Adam(0.02),
+                                                   num_microbatches=4, recompute=True),
         "interleaved": lambda m, loss: Pipeline(m, d[:2], loss=loss, schedule="interleaved",
                                                 num_chunks=2, num_microbatches=2,
                                                 optimizer=keras.optimizers.Adam(0.02)),
@@ -211,8 +214,10 @@ CUTTING = ("split", "hybrid", "gpipe", "1f1b", "interleaved")
 CASES = ([("towers", m) for m in MODELS] + [("split", m) for m in ("l2_mlp", "text", "kl_seq")]
          + [("hybrid", "text"), ("hybrid", "kl_seq"), ("gpipe", "kl_seq"), ("1f1b", "text"),
             ("1f1b", "l2_mlp"), ("interleaved", "l2_mlp"), ("interleaved", "kl_seq"),
-            ("zero3", "l2_mlp"), ("zero3", "vae")])
-QUICK = {("towers", "l2_mlp"), ("1f1b", "text"), ("split", "kl_seq"), ("towers", "vae")}
+            ("zero3", "l2_mlp"), ("zero3", "vae"), ("1f1b-recompute", "text"),
+            ("1f1b-recompute", "l2_mlp"), ("1f1b-recompute", "kl_seq")])
+QUICK = {("towers", "l2_mlp"), ("1f1b", "text"), ("split", "kl_seq"), ("towers", "vae"),
+         ("1f1b-recompute", "l2_mlp")}
 
 
 @pytest.mark.parametrize("form,name", [pytest.param(f, m, marks=() if (f, m) in QUICK

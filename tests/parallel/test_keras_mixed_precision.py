@@ -48,8 +48,8 @@ def _keras_mixed(policy, x, y, xla):
     return model.get_weights()
 
 
-MIXED_FORMS = ("towers", "split", "hybrid", "1f1b", "zero1", "zero3", "offload", "accumulate",
-               "tensor")
+MIXED_FORMS = ("towers", "split", "hybrid", "1f1b", "1f1b-recompute", "zero1", "zero3",
+               "offload", "accumulate", "tensor")
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +92,8 @@ def test_mixed_policies_as_keras_fit(four_devices, mixed_references, policy, for
         "hybrid": lambda m, o: ModelParallel(m, replicas=[d[:2], d[2:4]], loss="mse",
                                              optimizer=o),
         "1f1b": lambda m, o: Pipeline(m, d[:2], loss="mse", optimizer=o, num_microbatches=4),
+        "1f1b-recompute": lambda m, o: Pipeline(m, d[:2], loss="mse", optimizer=o,
+                                                num_microbatches=4, recompute=True),
         "zero1": lambda m, o: Zero(m, d[:2], loss="mse", optimizer=o, stage=1),
         "zero3": lambda m, o: Zero(m, d[:2], loss="mse", optimizer=o, stage=3),
         "offload": lambda m, o: Offload(m, d[:2], host=d[2], loss="mse", optimizer=o),
