@@ -12,10 +12,12 @@ from accel.course.pipeline import (
     handoff_gaps,
     make_batch,
     measure_bubble,
+    measure_waiting_bubble,
     overhead_report,
     overlap_share,
     replay_idle,
     square_stages,
+    waiting_stages,
 )
 from accel.parallel import pipeline as pl
 from accel.parallel import pipeline_exec as pe
@@ -88,6 +90,25 @@ def test_messages_and_recorded_dependencies(four_devices):
     assert dependency_check(run, 2) == (2 * 4, 0)  # 4 forwards and 4 backwards cross
     assert len(handoff_gaps(run, 2)) == 15 and len(replay_idle(run)) == 2
     assert 0.0 <= overlap_share(run) <= 1.0
+
+
+def test_waiting_stages_carry_the_batch_and_its_gradient(four_devices):
+    """The waiting stages compute x @ I @ I: the loss is the mean of x^2 over its 8 x 4 entries
+    (y = 0), and each stage's dL/dw = x^T 2x / 32 (w = I on both stages), by hand."""
+    import numpy as np
+    import tensorflow as tf
+
+    stages = waiting_stages(four_devices[:2], forward_ms=0.1)
+    x = tf.constant(np.arange(32, dtype=np.float32).reshape(8, 4) / 32)
+    y = tf.zeros((8, 4))
+    run = pe.run_schedule(stages, pl.make_schedule("1f1b", 2, 2), x, y, squared_error, 2)
+    np.testing.assert_allclose(run.loss, np.mean(x.numpy() ** 2), rtol=1e-6)
+    by_hand = x.numpy().T @ (2 * x.numpy()) / 32
+    for grads in run.grads:
+        np.testing.assert_allclose(grads[0].numpy(), by_hand, rtol=1e-5)
+    rows = measure_waiting_bubble(four_devices[:2], microbatches=(2,), forward_ms=0.1, repeat=1)
+    assert {k: v[2]["formula"] for k, v in rows.items()} == pytest.approx(
+        {"1f1b v=1": 1 / 3, "interleaved v=2": 1 / 5})  # (p-1)/(vm+p-1), p = 2, m = 2
 
 
 def test_square_stages_need_a_device_each(four_devices):
