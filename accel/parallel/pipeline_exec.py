@@ -241,7 +241,8 @@ class _Run:
         self.split = split  # the schedule has W tasks: B = input gradients, W = weights
         self.loss_scale = loss_scale
         rows = [int(tf.nest.flatten(m[0])[0].shape[0]) for m in micro]
-        self.shares = [r / sum(rows) for r in rows]
+        # each micro-batch's share of the batch, as the scalar its loss is weighted by
+        self.shares = [tf.constant(r / sum(rows), tf.float32) for r in rows]
         self.recompute, self.clock = recompute, clock
         self.done: dict[Task, threading.Event] = {}
         self.outputs: dict[tuple[int, int], tf.Tensor] = {}   # (stage, mb) -> forward output
@@ -290,9 +291,8 @@ class _Run:
         """``(output, added)`` of stage ``s`` on micro-batch ``i`` (``Stage.output_fn``): on
         the last stage the micro-batch's loss; each weighted by its share of the batch."""
         last = s == len(self.stages) - 1
-        share = tf.constant(self.shares[i], tf.float32)
         return self.stages[s].output(self.loss_fn if last else None, s > 0, x,
-                                     self.micro[i][1] if last else None, share)
+                                     self.micro[i][1] if last else None, self.shares[i])
 
     def _taped(self, s: int, i: int, x):
         """``(tape, output, added)``: stage ``s``'s forward on micro-batch ``i`` under a tape
@@ -326,10 +326,10 @@ class _Run:
         inputs = [] if s == 0 else km.float_tensors(tf.nest.flatten(saved[0]))
         with tf.device(stage.device):
             if self.recompute and stage.traced and not self.split:  # one call: forward, backward
-                share = tf.constant(self.shares[i], tf.float32)
                 grads = stage.recomputed_gradients(
                     self.loss_fn if last else None, s > 0, saved[0],
-                    self.micro[i][1] if last else None, share, output_grads, self.loss_scale)
+                    self.micro[i][1] if last else None, self.shares[i], output_grads,
+                    self.loss_scale)
             else:
                 if self.recompute:  # run the forward again, now under a tape
                     tape, out, extra = self._taped(s, i, saved[0])
