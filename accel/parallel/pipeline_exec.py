@@ -149,13 +149,16 @@ class Stage:
 
     def _concrete(self, key: tuple, fn, *args):
         """``fn(*args)`` through the concrete function of ``fn`` (a ``tf.function``) traced for
-        the arguments' structure, shapes and dtypes, kept under ``key`` and those."""
-        flat = tf.nest.flatten(args)
-        key = (*key, tuple(len(tf.nest.flatten(a)) for a in args),
-               *(None if t is None else (tuple(t.shape), t.dtype) for t in flat))
-        concrete = self._traced_fns.get(key)
+        the arguments' structure and type specs (shapes, dtypes; an ``IndexedSlices``' rows),
+        kept under ``key`` and those. Under ``tf.config.run_functions_eagerly(True)`` (for
+        debugging) ``fn`` is called as it is, and runs eagerly."""
+        if tf.config.functions_run_eagerly():
+            return fn(*args)
+        specs = repr(tf.nest.map_structure(
+            lambda t: None if t is None else tf.type_spec_from_value(t), args))
+        concrete = self._traced_fns.get((*key, specs))
         if concrete is None:
-            concrete = self._traced_fns[key] = fn.get_concrete_function(*args)
+            concrete = self._traced_fns[(*key, specs)] = fn.get_concrete_function(*args)
         return concrete(*args)
 
 
@@ -241,8 +244,8 @@ class _Run:
         self.split = split  # the schedule has W tasks: B = input gradients, W = weights
         self.loss_scale = loss_scale
         rows = [int(tf.nest.flatten(m[0])[0].shape[0]) for m in micro]
-        # each micro-batch's share of the batch, as the scalar its loss is weighted by
-        self.shares = [tf.constant(r / sum(rows), tf.float32) for r in rows]
+        self.shares = [r / sum(rows) for r in rows]  # each micro-batch's share of the batch
+        self._share_tensors: dict[tuple[str, int], tf.Tensor] = {}
         self.recompute, self.clock = recompute, clock
         self.done: dict[Task, threading.Event] = {}
         self.outputs: dict[tuple[int, int], tf.Tensor] = {}   # (stage, mb) -> forward output
@@ -287,12 +290,20 @@ class _Run:
             self.held[s] += 1
             self.peak[s] = max(self.peak[s], self.held[s])
 
+    def share(self, s: int, i: int) -> tf.Tensor:
+        """Micro-batch ``i``'s share as a scalar on stage ``s``'s device (made once a run)."""
+        device = self.stages[s].device
+        if (device, i) not in self._share_tensors:
+            with tf.device(device):
+                self._share_tensors[(device, i)] = tf.constant(self.shares[i], tf.float32)
+        return self._share_tensors[(device, i)]
+
     def _stage_out(self, s: int, i: int, x):
         """``(output, added)`` of stage ``s`` on micro-batch ``i`` (``Stage.output_fn``): on
         the last stage the micro-batch's loss; each weighted by its share of the batch."""
         last = s == len(self.stages) - 1
         return self.stages[s].output(self.loss_fn if last else None, s > 0, x,
-                                     self.micro[i][1] if last else None, self.shares[i])
+                                     self.micro[i][1] if last else None, self.share(s, i))
 
     def _taped(self, s: int, i: int, x):
         """``(tape, output, added)``: stage ``s``'s forward on micro-batch ``i`` under a tape
@@ -328,7 +339,7 @@ class _Run:
             if self.recompute and stage.traced and not self.split:  # one call: forward, backward
                 grads = stage.recomputed_gradients(
                     self.loss_fn if last else None, s > 0, saved[0],
-                    self.micro[i][1] if last else None, self.shares[i], output_grads,
+                    self.micro[i][1] if last else None, self.share(s, i), output_grads,
                     self.loss_scale)
             else:
                 if self.recompute:  # run the forward again, now under a tape
@@ -516,13 +527,15 @@ class Pipeline(Form):
       ``write_back``: ``accel.parallel.form.Form``'s.
 
     Not under ``model.fit``: the stages run in one Python thread per device, so that devices
-    overlap as the schedule says; each task is one call of a ``tf.function`` of its stage's
-    layers (and, on the last stage, the loss), recorded by an eager ``GradientTape`` whose
-    gradient is one call of the function's traced backward (``python -m accel bench
-    pipeline-overhead`` measures what a task costs beyond its compute). Keras's ``fit``
-    compiles one function per step. ``recompute=True`` keeps only each stage's input
-    and runs its forward again in the backward (refused for layers with non-trainable state,
-    e.g. BatchNormalization, whose moving statistics would be updated twice).
+    overlap as the schedule says; each task is one call of the concrete function traced for
+    its stage's layers (and, on the last stage, the loss), recorded by an eager
+    ``GradientTape`` whose gradient is one call of the function's traced backward; with
+    ``recompute=True`` a backward task is one traced call that runs the forward again and
+    differentiates it (``python -m accel bench pipeline-overhead`` measures what a task costs
+    beyond its compute). Keras's ``fit`` compiles one function per step. ``recompute=True``
+    keeps only each stage's input and runs its forward again in the backward (refused for
+    layers with non-trainable state: BatchNormalization, whose moving statistics would be
+    updated twice, or Dropout, whose second forward would draw another mask).
 
     BatchNormalization under micro-batches normalises each micro-batch by its own statistics
     and updates the moving statistics once per micro-batch: the result equals one device
@@ -550,9 +563,15 @@ class Pipeline(Form):
         self.placement = SCHEDULE_PLACEMENT[schedule]  # where stage s runs: stage_device
         self.balance = graph.split_sizes(self.graph, p * self.num_chunks, split_points, balance)
         self.graph_parts = graph.cut(self.graph, self.balance)
-        if recompute and any(layer.non_trainable_weights for layer in self.layers):
-            raise ValueError("recompute=True with layers that hold non-trainable state (e.g. "
-                             "BatchNormalization): the forward run again would update it twice")
+        # non_trainable_variables: weights such as BatchNormalization's moving statistics, and
+        # the seed state of layers that draw random numbers (Dropout, GaussianNoise...)
+        stateful = [layer.name for layer in self.layers if layer.non_trainable_variables]
+        if recompute and stateful:
+            raise ValueError(f"recompute=True with layers that hold non-trainable state "
+                             f"({stateful}: moving statistics or a random seed): the forward "
+                             "run again would update the statistics twice or draw other random "
+                             "numbers than the forward whose loss is reported; leave recompute "
+                             "off for this model")
         self.recompute = recompute
         self.loss_fn = km.loss_function(loss)
         self.optimizer = self.make_optimizer(optimizer)

@@ -143,6 +143,10 @@ def test_balance_and_bad_input(four_devices, keras_zoo):
                     optimizer="adam", num_microbatches=2)
     with pytest.raises(ValueError, match="recompute=True with layers that hold non-trainable"):
         pe.Pipeline(keras_zoo.MODELS["cnn"](), devices, recompute=True, **kw)
+    dropout = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dropout(
+        0.5, name="drop"), keras.layers.Dense(4), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"\['drop'\]: moving statistics or a random seed"):
+        pe.Pipeline(dropout, devices, recompute=True, **kw)  # a second forward, another mask
     pipe = pe.Pipeline(model, devices, **kw)
     x, y = keras_zoo.data_for(model, n=21)  # as Keras, the last, partial batch is kept...
     with pytest.raises(ValueError, match=r"21 examples in batches of 8: every batch \(the last "
