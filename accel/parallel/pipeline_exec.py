@@ -154,12 +154,26 @@ class Stage:
         debugging) ``fn`` is called as it is, and runs eagerly."""
         if tf.config.functions_run_eagerly():
             return fn(*args)
-        specs = repr(tf.nest.map_structure(
-            lambda t: None if t is None else tf.type_spec_from_value(t), args))
-        concrete = self._traced_fns.get((*key, specs))
+        key = (*key, _spec_key(args))
+        concrete = self._traced_fns.get(key)
         if concrete is None:
-            concrete = self._traced_fns[(*key, specs)] = fn.get_concrete_function(*args)
+            concrete = self._traced_fns[key] = fn.get_concrete_function(*args)
         return concrete(*args)
+
+
+def _spec_key(a):
+    """A hashable key of ``a``'s structure and type specs: tuples and lists by kind and length,
+    a tensor by shape and dtype, ``IndexedSlices`` by their values' (row count included);
+    anything else by its ``tf.TypeSpec`` (a few microseconds for the rest, 90 for a TypeSpec)."""
+    if a is None:
+        return None
+    if isinstance(a, (tuple, list)):
+        return (type(a).__name__, *map(_spec_key, a))
+    if isinstance(a, tf.IndexedSlices):
+        return ("IndexedSlices", tuple(a.values.shape), a.values.dtype)
+    if isinstance(a, (tf.Tensor, tf.Variable)):
+        return tuple(a.shape), a.dtype
+    return repr(tf.type_spec_from_value(a))
 
 
 def _stage_output(stage: Stage, loss_fn, x, y, share):

@@ -287,3 +287,15 @@ def test_zb_v_keras_form_equals_one_device(four_devices, keras_zoo):
     with pytest.raises(ValueError, match="num_chunks=1: 'zb-v' puts 2 chunks on each device"):
         pe.Pipeline(pipe.model, four_devices[:2], loss="mse", optimizer="sgd",
                     num_microbatches=4, schedule="zb-v", num_chunks=1)
+
+
+def test_concrete_function_keys_tell_structures_and_specs_apart():
+    """The key a traced stage's concrete function is kept under (pe._spec_key): a tensor and a
+    one-tuple of it, a tuple and a list, other shapes, dtypes and IndexedSlices row counts all
+    get their own; the same structure and specs the same key."""
+    x = tf.ones((4, 3))
+    rows = [tf.IndexedSlices(tf.ones((k, 3)), tf.range(k), tf.constant([9, 3])) for k in (2, 5)]
+    args = [x, (x,), [x], tf.ones((5, 3)), tf.ones((4, 3), tf.float64), rows[0], rows[1], None]
+    keys = [pe._spec_key(a) for a in args]
+    assert len(set(keys)) == len(args)
+    assert pe._spec_key((tf.zeros((4, 3)), None)) == pe._spec_key((x, None))
