@@ -17,7 +17,11 @@ and run with the placement the devices follow (``pipeline.infer_placement``):
   (its activations are *stashed*) until the backward of ``i`` on ``s`` consumes it; with
   ``recompute=True`` only the stage's input is kept and the forward is run again during the
   backward (GPipe's rematerialisation; a traced stage runs both in one traced call,
-  ``Stage.recomputed_gradients``, where no W task needs its tape);
+  ``Stage.forward_and_gradients``, where no W task needs its tape);
+* where the last stage's device runs a micro-batch's backward right after its forward (1F1B),
+  or recomputes it anyway, a traced last stage runs both in that one call too, in the B task
+  (``deferred_forwards``): the F task only keeps the input, as nothing but the loss flows
+  between the two;
 * in a schedule with W tasks (ZB-H1, ZB-V) the backward is split in two, as Qi et al. 2023
   (arXiv:2401.10241, section 2) split it: B computes only the gradient with respect to the
   stage's inputs (what the previous stage waits for) and keeps the tape and the output
@@ -75,7 +79,7 @@ from accel.parallel.pipeline import (
 from accel.training import make_update
 
 __all__ = ["Stage", "PipelineRun", "split_microbatches", "layer_stages", "stage_devices",
-           "stage_placement",
+           "stage_placement", "deferred_forwards",
            "run_schedule", "make_pipeline_step", "measured_idle_fractions", "Pipeline"]
 
 
@@ -120,26 +124,35 @@ class Stage:
             return fn(x, y, share)
         return self._concrete(("output", id(loss_fn), input_grads), fn, x, y, share)
 
-    def recomputed_gradients(self, loss_fn: Callable | None, input_grads: bool, x, y, share,
-                             output_grads, loss_scale) -> list:
-        """A traced stage's backward with recomputation as one call: the forward runs again
-        under a tape inside a ``tf.function``, which returns the gradients of ``x``'s float
-        tensors (with ``input_grads``) and of the parameters, seeded as ``_Run.backward``
-        seeds them (``output_grads``: the next stage's, ``None`` on the last stage;
-        ``loss_scale`` or ``None``). An eager tape around the forward's call and its
-        ``gradient`` cost 1.3 ms on the overhead benchmark's 2-layer stage; the one call 0.67."""
-        key = ("recompute", id(loss_fn), input_grads)
+    def forward_and_gradients(self, loss_fn: Callable | None, input_grads: bool, x, y, share,
+                              output_grads, loss_scale, sums=None) -> tuple:
+        """``(loss, gradients)``: a traced stage's forward and backward as one call (a
+        recomputing backward, or the last stage's deferred forward, ``_Run.deferred``): the
+        forward runs under a tape inside a ``tf.function``, which returns the gradients of
+        ``x``'s float tensors (with ``input_grads``) and of the parameters, seeded as
+        ``_Run.backward`` seeds them (``output_grads``: the next stage's, ``None`` on the last
+        stage; ``loss_scale`` or ``None``), and, with ``loss_fn`` (the last stage), the
+        micro-batch's weighted loss (else ``None``). ``sums``: the parameters' gradients of the
+        earlier micro-batches, added in the same call (their sums returned instead). An eager
+        tape around the forward's call and its ``gradient`` cost 1.3 ms on the overhead
+        benchmark's 2-layer stage; the one call 0.67."""
+        key = ("forward and backward", id(loss_fn), input_grads)
         if key not in self._traced_fns:
-            def back(x, y, share, output_grads, loss_scale):
+            def back(x, y, share, output_grads, loss_scale, sums):
                 inputs = km.float_tensors(tf.nest.flatten(x)) if input_grads else []
                 with tf.GradientTape() as tape:
                     tape.watch(inputs)
                     out, extra = self._forward(loss_fn, input_grads, x, y, share)
                 with tf.device(self.device):
                     targets, seeds = _targets_and_seeds(out, extra, output_grads, loss_scale)
-                    return _gradient(tape, targets, seeds, [*inputs, *self.params])
+                    grads = _gradient(tape, targets, seeds, [*inputs, *self.params])
+                    if sums is not None:
+                        grads[len(inputs):] = [km.merge_gradients([a, g]) for a, g in
+                                               zip(sums, grads[len(inputs):], strict=True)]
+                return (out if loss_fn is not None else None), grads
             self._traced_fns[key] = tf.function(back)
-        return self._concrete(key, self._traced_fns[key], x, y, share, output_grads, loss_scale)
+        return self._concrete(key, self._traced_fns[key], x, y, share, output_grads, loss_scale,
+                              sums)
 
     def _forward(self, loss_fn, input_grads: bool, x, y, share):
         if not input_grads:
@@ -261,6 +274,8 @@ class _Run:
         self.shares = [r / sum(rows) for r in rows]  # each micro-batch's share of the batch
         self._share_tensors: dict[tuple[str, int], tf.Tensor] = {}
         self.recompute, self.clock = recompute, clock
+        # (stage, micro-batch) whose forward runs in its backward's one call (deferred_forwards)
+        self.deferred: set[tuple[int, int]] = set()
         self.done: dict[Task, threading.Event] = {}
         self.outputs: dict[tuple[int, int], tf.Tensor] = {}   # (stage, mb) -> forward output
         self.input_grads: dict[tuple[int, int], tf.Tensor] = {}  # (stage, mb) -> d loss / d x
@@ -288,7 +303,10 @@ class _Run:
             x = km.bundle(x)
         with tf.device(stage.device):
             x = tf.nest.map_structure(tf.identity, x)
-            if self.recompute:  # keep nothing but x: no tape records this forward
+            if (s, i) in self.deferred:  # B runs it, in one call with the backward
+                out = extra = None
+                self.stash[(s, i)] = (x,)
+            elif self.recompute:  # keep nothing but x: no tape records this forward
                 out, extra = self._stage_out(s, i, x)
                 self.stash[(s, i)] = (x,)
             else:
@@ -297,7 +315,8 @@ class _Run:
         if extra is not None:
             self.added[(s, i)] = extra
         if last:
-            self.losses[i] = out
+            if out is not None:
+                self.losses[i] = out
         else:
             self.outputs[(s, i)] = out
         with self.lock:
@@ -349,12 +368,19 @@ class _Run:
         output_grads = None if last else self.input_grads.pop((s + 1, i))
         # stage 0 needs no gradient of its input; the others, of each float tensor received
         inputs = [] if s == 0 else km.float_tensors(tf.nest.flatten(saved[0]))
+        summed = False
         with tf.device(stage.device):
-            if self.recompute and stage.traced and not self.split:  # one call: forward, backward
-                grads = stage.recomputed_gradients(
+            if (s, i) in self.deferred or (self.recompute and stage.traced and not self.split):
+                # the sums so far join the call, unless sparse (their rows grow at each add,
+                # which would trace the function again for every micro-batch)
+                sums = self.grads[s]
+                summed = sums is not None and not any(map(km.is_sparse, sums))
+                out, grads = stage.forward_and_gradients(  # one call: forward, backward
                     self.loss_fn if last else None, s > 0, saved[0],
                     self.micro[i][1] if last else None, self.share(s, i), output_grads,
-                    self.loss_scale)
+                    self.loss_scale, sums if summed else None)
+                if last:
+                    self.losses[i] = out
             else:
                 if self.recompute:  # run the forward again, now under a tape
                     tape, out, extra = self._taped(s, i, saved[0])
@@ -370,7 +396,7 @@ class _Run:
         if self.split:
             self.stash[(s, i)] = (of_weights, targets, seeds)
         else:
-            self._accumulate(s, grads)
+            self._accumulate(s, grads, summed)
 
     def weights(self, s: int, i: int) -> None:
         """W: the parameters' gradients of stage ``s`` on micro-batch ``i``, from the weights'
@@ -381,9 +407,10 @@ class _Run:
         del tape
         self._accumulate(s, grads)
 
-    def _accumulate(self, s: int, grads) -> None:
-        """Add a micro-batch's parameter gradients to stage ``s``'s sum; one stash fewer."""
-        acc = self.grads[s]
+    def _accumulate(self, s: int, grads, summed: bool = False) -> None:
+        """Add a micro-batch's parameter gradients to stage ``s``'s sum (``summed``: ``grads``
+        is the new sum already); one stash fewer."""
+        acc = None if summed else self.grads[s]
         # an embedding's IndexedSlices accumulate as slices (every micro-batch's rows)
         self.grads[s] = list(grads) if acc is None else [km.merge_gradients([a, g]) for a, g in
                                                          zip(acc, grads, strict=True)]
@@ -447,6 +474,27 @@ def stage_placement(stages: Sequence[Stage]) -> tuple[list[str], str]:
     return infer_placement([parse_device(st.device).to_string() for st in stages])
 
 
+def deferred_forwards(stages: Sequence[Stage], orders: Sequence[Sequence[Task]],
+                      recompute: bool = False) -> set[tuple[int, int]]:
+    """The ``(stage, micro-batch)`` pairs whose forward runs inside their backward task, in
+    one traced call with it (``Stage.forward_and_gradients``): the last stage's, if traced, in
+    a schedule without W tasks, where its device runs the backward right after the forward
+    (1F1B: only the loss flows between the two, so nothing else waits for the forward) or
+    where the backward recomputes the forward anyway (``recompute``). The F task then only
+    keeps the input; B does the forward, the loss and the backward, as ``fit``'s step does,
+    without an eager tape, and the micro-batch's loss comes from it."""
+    last = len(stages) - 1
+    if not stages[last].traced or any(t[2] == "W" for order in orders for t in order):
+        return set()
+    deferred = set()
+    for order in orders:
+        for task, after in zip(order, [*order[1:], None], strict=True):
+            if task[0] == last and task[2] == "F" and (
+                    recompute or after == (last, task[1], "B")):
+                deferred.add((last, task[1]))
+    return deferred
+
+
 def run_schedule(stages: Sequence[Stage], schedule, x, y, loss_fn: Callable,
                  num_microbatches: int, recompute: bool = False,
                  clock: Callable[[], float] = time.perf_counter,
@@ -467,6 +515,7 @@ def run_schedule(stages: Sequence[Stage], schedule, x, y, loss_fn: Callable,
                loss_scale, split=splits_backward(schedule))
     orders = device_orders(schedule, num_devices, placement)
     run.done = {task: threading.Event() for order in orders for task in order}
+    run.deferred = deferred_forwards(stages, orders, recompute)
     threads = [threading.Thread(target=run.device_loop, args=(d, order), daemon=True,
                                 name=f"pipeline-device-{d}") for d, order in enumerate(orders)]
     for t in threads:
@@ -542,11 +591,13 @@ class Pipeline(Form):
 
     Not under ``model.fit``: the stages run in one Python thread per device, so that devices
     overlap as the schedule says; each task is one call of the concrete function traced for
-    its stage's layers (and, on the last stage, the loss), recorded by an eager
-    ``GradientTape`` whose gradient is one call of the function's traced backward; with
-    ``recompute=True`` a backward task is one traced call that runs the forward again and
-    differentiates it (``python -m accel bench pipeline-overhead`` measures what a task costs
-    beyond its compute). Keras's ``fit`` compiles one function per step. ``recompute=True``
+    its stage's layers, recorded by an eager ``GradientTape`` whose gradient is one call of
+    the function's traced backward; on the last stage, where the schedule runs a backward right
+    after its forward (1F1B), the B task runs the forward, the loss and the backward in one
+    traced call, as ``fit``'s step does (``deferred_forwards``); with ``recompute=True`` every
+    backward task is one traced call that runs the forward again and differentiates it
+    (``python -m accel bench pipeline-overhead`` measures what a task costs beyond its
+    compute). Keras's ``fit`` compiles one function per step. ``recompute=True``
     keeps only each stage's input and runs its forward again in the backward (refused for
     layers with non-trainable state: BatchNormalization, whose moving statistics would be
     updated twice, or Dropout, whose second forward would draw another mask).

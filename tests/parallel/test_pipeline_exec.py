@@ -299,3 +299,24 @@ def test_concrete_function_keys_tell_structures_and_specs_apart():
     keys = [pe._spec_key(a) for a in args]
     assert len(set(keys)) == len(args)
     assert pe._spec_key((tf.zeros((4, 3)), None)) == pe._spec_key((x, None))
+
+
+class _Traced:
+    traced = True
+
+
+@pytest.mark.parametrize("name,v,recompute,expected", [
+    ("1f1b", 1, False, {(1, 0), (1, 1), (1, 2), (1, 3)}),  # B right after F on the last stage
+    ("gpipe", 1, False, {(1, 3)}),  # only the last micro-batch's F is followed by its B
+    ("gpipe", 1, True, {(1, 0), (1, 1), (1, 2), (1, 3)}),  # its backward recomputes anyway
+    ("interleaved", 2, False, {(3, 0), (3, 1), (3, 2), (3, 3)}),
+    ("zb-h1", 1, False, set()),  # W tasks need the forward's tape
+])
+def test_which_forwards_run_inside_their_backward(name, v, recompute, expected):
+    """pe.deferred_forwards on 2 devices, 4 micro-batches, against a table written by hand from
+    each schedule's device orders; a stage that is not traced defers nothing."""
+    schedule = pl.make_schedule(name, 4, 2, v)
+    orders = pl.device_orders(schedule, 2, "loop")
+    assert pe.deferred_forwards([_Traced()] * (2 * v), orders, recompute) == expected
+    untraced = [pe.Stage(None, [], "/cpu:0")] * (2 * v)
+    assert pe.deferred_forwards(untraced, orders, recompute) == set()
