@@ -21,7 +21,8 @@ from accel import checks, procs
 
 __all__ = ["time_fn", "interleaved_medians", "format_ratios", "measure_matmul_tflops",
            "matmul_seconds_with_threads", "Ceiling", "measure_ceiling", "ceiling",
-           "ceiling_line", "QUIET_CEILING", "QUIET_OTHERS", "CEILING_RANGE", "require_quiet"]
+           "ceiling_line", "QUIET_CEILING", "QUIET_OTHERS", "CEILING_RANGE", "require_quiet",
+           "lockstep_idle", "measure_lockstep_floor"]
 
 QUIET_CEILING = 1.3  # below this, something else is using the second core
 QUIET_OTHERS = 0.35  # cores other processes may use while the ceiling is measured
@@ -205,3 +206,76 @@ def require_quiet(minimum: float = QUIET_CEILING, max_others: float = QUIET_OTHE
                            "would be a busy machine's: stop other work (tests, notebooks, "
                            "helpers) and re-run.")
     return measured
+
+
+def lockstep_idle(works: list[Callable[[], object]], rounds: int = 40, warmup: int = 3) -> float:
+    """The idle share of ``works`` (one zero-argument function per thread) run in lock-step:
+    each round every thread starts its work at a barrier and the round ends with the last of
+    them; idle share = 1 - (the works' summed time) / (threads x the rounds' summed span). Equal
+    works on free cores idle little; what they idle here is the floor a pipeline's steady state
+    (a device waits for its neighbour's task every round) meets on this machine beyond its
+    schedule's bubble. ``warmup`` rounds are not counted."""
+    import threading
+
+    if len(works) < 2:
+        raise ValueError(f"lock-step needs at least 2 works, got {len(works)}")
+    checks.positive_int("rounds", rounds)
+    barrier = threading.Barrier(len(works))
+    spans: list[list[tuple[float, float]]] = [[] for _ in works]
+
+    def loop(k: int) -> None:
+        for _ in range(warmup + rounds):
+            barrier.wait()
+            start = time.perf_counter()
+            works[k]()
+            spans[k].append((start, time.perf_counter()))
+
+    threads = [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(len(works))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    busy = span = 0.0
+    for r in range(warmup, warmup + rounds):
+        intervals = [s[r] for s in spans]
+        busy += sum(e - s for s, e in intervals)
+        span += max(e for _, e in intervals) - min(s for s, _ in intervals)
+    return 1.0 - busy / (len(works) * span)
+
+
+def measure_lockstep_floor(devices: list[str], rows: int = 128, width: int = 512,
+                           layers: int = 8, rounds: int = 40) -> dict[str, float]:
+    """``lockstep_idle`` of two equal works, each ``layers`` ReLU matmuls of ``rows`` x
+    ``width`` by ``width`` x ``width``: ``"tensorflow"``, one traced function per device of
+    ``devices[:2]`` (as a pipeline stage's task runs); ``"numpy"``, the same matmuls in NumPy
+    on one BLAS thread each, which no TensorFlow runtime stands between."""
+    import numpy as np
+    import tensorflow as tf
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, width), dtype=np.float32)
+    w = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+
+    def tf_work(device: str) -> Callable[[], object]:
+        with tf.device(device):
+            xt, wt = tf.constant(x), tf.constant(w)
+
+            @tf.function
+            def chain(h):
+                for _ in range(layers):
+                    h = tf.nn.relu(tf.matmul(h, wt))
+                return h
+        concrete = chain.get_concrete_function(xt)
+        return lambda: concrete(xt)
+
+    def np_work() -> object:
+        h = x
+        for _ in range(layers):
+            h = np.maximum(h @ w, 0.0)
+        return h
+
+    out = {"tensorflow": lockstep_idle([tf_work(d) for d in devices[:2]], rounds)}
+    with threadpool_limits(1, user_api="blas"):
+        out["numpy"] = lockstep_idle([np_work, np_work], rounds)
+    return out

@@ -56,6 +56,29 @@ def test_require_quiet_decides_from_both_figures():
                                        "free cores); other processes: 0.04 cores")
 
 
+def test_lockstep_idle_counts_rounds_and_bounds_a_lone_worker():
+    """Each work runs warmup + rounds times, in lock-step; a work that does nothing beside one
+    that sleeps idles about half the clock whatever the machine's speed: the sleeper's time is
+    at most each round's span, so 1 - (0 + sleep) / (2 span) >= 1/2, less the empty work's
+    share (microseconds, unless a loaded machine preempts it: hence the margin)."""
+    import time
+
+    calls = {"nothing": 0, "sleep": 0}
+
+    def nothing():
+        calls["nothing"] += 1
+
+    def sleep():
+        calls["sleep"] += 1
+        time.sleep(0.005)
+
+    idle = timing.lockstep_idle([nothing, sleep], rounds=4, warmup=2)
+    assert calls == {"nothing": 6, "sleep": 6}
+    assert 0.3 <= idle < 1.0
+    with pytest.raises(ValueError, match="at least 2 works, got 1"):
+        timing.lockstep_idle([nothing])
+
+
 def test_ceiling_is_measured_here_and_the_command_refuses_a_busy_verdict():
     measured = timing.measure_ceiling(n=64, repeat=1)
     assert measured.value > 0 and (measured.others is None or measured.others >= 0)

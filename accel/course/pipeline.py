@@ -484,13 +484,15 @@ def measure_waiting_bubble(devices: Sequence[str], microbatches: Sequence[int] =
 _FRESH_KERAS = """
 import json
 import accel.course  # noqa: F401
-from accel import devices
+from accel import devices, timing
 from accel.course import pipeline as cp
 names = devices.setup(2, intra_op_threads=1)
 result = {{kind: cp.measure_keras_bubble(names, functional=kind == "functional", **{kwargs!r})
           for kind in ("sequential", "functional")}}
 result["waiting"] = cp.measure_waiting_bubble(names, **{waiting!r})
-print("RESULT" + json.dumps(result))
+floor = timing.measure_lockstep_floor(names, {kwargs[microbatch]}, {kwargs[width]},
+                                      {kwargs[layers]})
+print("RESULT" + json.dumps(result) + "FLOOR" + json.dumps(floor))
 """
 
 
@@ -508,7 +510,9 @@ def bench_keras(device_names: Sequence[str], quick: bool = False) -> dict:
     (v = 2) against (p-1)/(vm+p-1) for m = 2..16, the throughput beside, interleaved against
     1F1B at the same m, and this machine's ceiling. Goal: within 0.03 of the formula. Then the
     same schedules with tasks that hold no core (``measure_waiting_bubble``: 10 ms forwards):
-    the executor's own share of the idle time, apart from two devices sharing two cores."""
+    the executor's own share of the idle time, apart from two devices sharing two cores. Last,
+    no pipeline: two equal works in lock-step, one per device (``timing.measure_lockstep_floor``,
+    as TensorFlow functions and in NumPy), the idle a steady state pays on this machine."""
     kw = dict(microbatches=(2,) if quick else (2, 4, 8, 16), repeat=1 if quick else 3,
               width=32 if quick else 512, layers=4 if quick else 8, microbatch=8 if quick else 128)
     waiting = dict(microbatches=kw["microbatches"], repeat=kw["repeat"],
@@ -516,8 +520,9 @@ def bench_keras(device_names: Sequence[str], quick: bool = False) -> dict:
     out = procs.run_python(_FRESH_KERAS.format(kwargs=kw, waiting=waiting), timeout=900,
                            warm=True)
     line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
+    line, floor = line[6:].split("FLOOR")
     result = {kind: {k: {int(m): r for m, r in v.items()} for k, v in runs.items()}
-              for kind, runs in json.loads(line[6:]).items()}
+              for kind, runs in json.loads(line).items()}
     rows_per_mb = kw["microbatch"]
     for kind, runs in result.items():
         if kind == "waiting":
@@ -545,9 +550,13 @@ def bench_keras(device_names: Sequence[str], quick: bool = False) -> dict:
                                          f"({r['measured'] - r['formula']:+.3f})"
                                          for m, r in rows.items()))
     print(_goal_line(result["waiting"]))
+    floor = json.loads(floor)
+    print(f"no pipeline: two equal works in lock-step, one per device ({kw['layers']} ReLU "
+          f"matmuls of {kw['microbatch']} x {kw['width']}): idle {floor['tensorflow']:.3f} as "
+          f"TensorFlow functions, {floor['numpy']:.3f} in NumPy (timing.measure_lockstep_floor)")
     measured = timing.measure_ceiling()
     print(timing.ceiling_line(measured))
-    return {"results": result, "ceiling": measured.value}
+    return {"results": result, "ceiling": measured.value, "lockstep": floor}
 
 
 _OVERHEAD_FORMS = {  # every other form on one device: name -> (form, options)

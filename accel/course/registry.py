@@ -46,8 +46,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "the bubble vs (p-1)/(m+p-1), 1F1B vs GPipe, pipeline vs one device (chapter 10)"),
     "keras-pipeline": ("accel.course.pipeline:bench_keras",
                        "a Keras model pipelined: 1F1B and interleaved 1F1B idle share vs "
-                       "(p-1)/(vm+p-1) on 2 devices; the same with tasks that hold no core "
-                       "(chapter 10)"),
+                       "(p-1)/(vm+p-1) on 2 devices; the same with tasks that hold no core; "
+                       "two equal works in lock-step, the machine's floor (chapter 10)"),
     "pipeline-overhead": ("accel.course.pipeline:bench_overhead",
                           "a pipeline's host cost per task, and every form's step on one "
                           "device, against Keras fit (chapter 10)"),
