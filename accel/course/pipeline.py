@@ -297,11 +297,14 @@ def stage_phase_times(run) -> dict[tuple[int, str], float]:
 
 def _task_times(run) -> dict[str, float]:
     """Median forward and backward (and, where the run split it, weight-gradient) task time
-    over all stages of a run."""
-    times: dict[str, list[float]] = {"F": [], "B": []}
-    for log in run.log:
-        for (_, _, phase), start, end in log:
-            times.setdefault(phase, []).append(end - start)
+    over all stages of a run, leaving out the micro-batches whose forward ran inside their
+    backward (``run.deferred``: an F that only kept its input, a B that did both), unless
+    every micro-batch's was (one stage)."""
+    times: dict[str, list[float]] = {}
+    tasks = [entry for log in run.log for entry in log]
+    alone = [e for e in tasks if e[0][:2] not in run.deferred] or tasks
+    for (_, _, phase), start, end in alone:
+        times.setdefault(phase, []).append(end - start)
     return {k: float(np.median(v)) for k, v in times.items()}
 
 

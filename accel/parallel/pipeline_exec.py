@@ -206,12 +206,15 @@ def _stage_output(stage: Stage, loss_fn, x, y, share):
 @dataclass
 class PipelineRun:
     """What ``run_schedule`` returns: the batch's loss, each stage's accumulated gradients,
-    each device's log of ``(task, start, end)``, and the peak stash per stage."""
+    each device's log of ``(task, start, end)``, the peak stash per stage, and the
+    ``(stage, micro-batch)`` pairs whose forward ran inside their backward task
+    (``deferred_forwards``: in the log, that F only kept its input, that B did both)."""
 
     loss: float
     grads: list[list[tf.Tensor]]
     log: list[list[tuple[Task, float, float]]] = field(default_factory=list)
     peak_stash: list[int] = field(default_factory=list)
+    deferred: set[tuple[int, int]] = field(default_factory=set)
 
     def orders(self) -> list[list[Task]]:
         """The order in which each device ran its tasks."""
@@ -527,7 +530,7 @@ def run_schedule(stages: Sequence[Stage], schedule, x, y, loss_fn: Callable,
     parts = [run.losses[i] for i in sorted(run.losses)]
     parts += [tf.cast(run.added[k], parts[0].dtype) for k in sorted(run.added)]
     loss = float(tf.add_n(parts))
-    return PipelineRun(loss, run.grads, run.log, run.peak)
+    return PipelineRun(loss, run.grads, run.log, run.peak, run.deferred)
 
 
 def make_pipeline_step(stages: Sequence[Stage], loss_fn: Callable, optimizer, schedule,

@@ -141,3 +141,17 @@ def test_device_peak_stash_by_hand():
         assert device_peak_stash(sched, p, p) == pl.peak_in_flight(sched, p)
     with pytest.raises(ValueError, match="multiple"):
         device_peak_stash(pl.one_f_one_b_schedule(4, 3), 3, 2)
+
+
+def test_task_times_leave_out_forwards_run_inside_their_backward():
+    """A written log: stage 1 ran micro-batch 0's forward inside its backward (an F of 0.1, a
+    B of 5), so the medians are stage 0's own (F 2, B 3), the pair's only when every
+    micro-batch's forward was deferred."""
+    from accel.course.pipeline import _task_times
+
+    log = [[((0, 0, "F"), 0.0, 2.0), ((0, 0, "B"), 7.1, 10.1)],
+           [((1, 0, "F"), 2.0, 2.1), ((1, 0, "B"), 2.1, 7.1)]]
+    assert _task_times(pe.PipelineRun(0.0, [], log=log, deferred={(1, 0)})) == {"F": 2.0,
+                                                                                 "B": 3.0}
+    one = pe.PipelineRun(0.0, [], log=log[1:], deferred={(1, 0)})
+    assert _task_times(one) == pytest.approx({"F": 0.1, "B": 5.0})
