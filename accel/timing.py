@@ -220,27 +220,58 @@ def lockstep_idle(works: list[Callable[[], object]], rounds: int = 40, warmup: i
     if len(works) < 2:
         raise ValueError(f"lock-step needs at least 2 works, got {len(works)}")
     checks.positive_int("rounds", rounds)
+    checks.non_negative_int("warmup", warmup)
     barrier = threading.Barrier(len(works))
     spans: list[list[tuple[float, float]]] = [[] for _ in works]
+    errors: list[BaseException] = []
 
     def loop(k: int) -> None:
-        for _ in range(warmup + rounds):
-            barrier.wait()
-            start = time.perf_counter()
-            works[k]()
-            spans[k].append((start, time.perf_counter()))
+        try:
+            for _ in range(warmup + rounds):
+                barrier.wait()
+                start = time.perf_counter()
+                works[k]()
+                spans[k].append((start, time.perf_counter()))
+        except threading.BrokenBarrierError:
+            pass  # another work failed: its error is the one to raise
+        except BaseException as exc:  # handed to the caller; the others stop at the barrier
+            errors.append(exc)
+            barrier.abort()
 
     threads = [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(len(works))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
     busy = span = 0.0
     for r in range(warmup, warmup + rounds):
         intervals = [s[r] for s in spans]
         busy += sum(e - s for s, e in intervals)
         span += max(e for _, e in intervals) - min(s for s, _ in intervals)
     return 1.0 - busy / (len(works) * span)
+
+
+def _tf_chain(device: str, x, w, layers: int) -> Callable[[], object]:
+    """A zero-argument work: ``layers`` ReLU matmuls of ``x`` by ``w``, one call of a concrete
+    function traced and called on ``device``."""
+    import tensorflow as tf
+
+    with tf.device(device):
+        xt, wt = tf.constant(x), tf.constant(w)
+
+        @tf.function
+        def chain(h):
+            for _ in range(layers):
+                h = tf.nn.relu(tf.matmul(h, wt))
+            return h
+        concrete = chain.get_concrete_function(xt)  # traced here: its ops on ``device``
+
+    def run():
+        with tf.device(device):
+            return concrete(xt)
+    return run
 
 
 def measure_lockstep_floor(devices: list[str], rows: int = 128, width: int = 512,
@@ -250,24 +281,11 @@ def measure_lockstep_floor(devices: list[str], rows: int = 128, width: int = 512
     ``devices[:2]`` (as a pipeline stage's task runs); ``"numpy"``, the same matmuls in NumPy
     on one BLAS thread each, which no TensorFlow runtime stands between."""
     import numpy as np
-    import tensorflow as tf
     from threadpoolctl import threadpool_limits
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((rows, width), dtype=np.float32)
     w = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
-
-    def tf_work(device: str) -> Callable[[], object]:
-        with tf.device(device):
-            xt, wt = tf.constant(x), tf.constant(w)
-
-            @tf.function
-            def chain(h):
-                for _ in range(layers):
-                    h = tf.nn.relu(tf.matmul(h, wt))
-                return h
-        concrete = chain.get_concrete_function(xt)
-        return lambda: concrete(xt)
 
     def np_work() -> object:
         h = x
@@ -275,7 +293,8 @@ def measure_lockstep_floor(devices: list[str], rows: int = 128, width: int = 512
             h = np.maximum(h @ w, 0.0)
         return h
 
-    out = {"tensorflow": lockstep_idle([tf_work(d) for d in devices[:2]], rounds)}
+    out = {"tensorflow": lockstep_idle([_tf_chain(d, x, w, layers) for d in devices[:2]],
+                                       rounds)}
     with threadpool_limits(1, user_api="blas"):
         out["numpy"] = lockstep_idle([np_work, np_work], rounds)
     return out

@@ -78,6 +78,11 @@ def test_lockstep_idle_counts_rounds_and_bounds_a_lone_worker():
     with pytest.raises(ValueError, match="at least 2 works, got 1"):
         timing.lockstep_idle([nothing])
 
+    def fails():
+        raise KeyError("the third work")
+    with pytest.raises(KeyError, match="the third work"):  # raised here, no thread left waiting
+        timing.lockstep_idle([nothing, sleep, fails], rounds=2)
+
 
 def test_ceiling_is_measured_here_and_the_command_refuses_a_busy_verdict():
     measured = timing.measure_ceiling(n=64, repeat=1)
@@ -232,3 +237,17 @@ def test_run_python_returns_stdout_and_reports_failures_and_timeouts():
         procs.run_python("pass", timeout=0)
 
 
+
+
+def test_lockstep_floor_runs_each_work_on_its_device(four_devices):
+    """The TensorFlow works of measure_lockstep_floor run on the device each was made for: the
+    result of a work's call lands on it (a function traced without the device scope ran on the
+    default device, CPU:0, for both)."""
+    x, w = np.ones((4, 8), np.float32), np.eye(8, dtype=np.float32)
+    for device in four_devices[:2]:
+        out = timing._tf_chain(device, x, w, layers=2)()
+        assert tf.DeviceSpec.from_string(out.device) == tf.DeviceSpec.from_string(
+            device).replace(job="localhost", replica=0, task=0)
+        np.testing.assert_array_equal(out.numpy(), x)  # ReLU(x I) twice: x
+    floor = timing.measure_lockstep_floor(four_devices[:2], rows=4, width=8, layers=2, rounds=2)
+    assert set(floor) == {"tensorflow", "numpy"} and all(0 <= v < 1 for v in floor.values())

@@ -629,8 +629,9 @@ def overhead_report(step_s: dict) -> dict:
     """Ratios to ``fit`` and the per-task overhead: (step at p = 2, m = 4 - ``fit``'s step) /
     16 tasks (2 stages x 4 micro-batches x forward and backward); the interleaved run has 32
     tasks, and the one-device run the same 16 tasks as 1F1B. The recomputing run's figure also
-    holds the forward each backward runs again: compute that ``fit`` does not do, not host
-    cost, so its host cost per task is lower still."""
+    holds the forward that stage 0's backwards run again (the last stage's runs once, inside
+    its backward): compute that ``fit`` does not do, not host cost, so its host cost per task
+    is lower still."""
     fit = step_s["keras fit"]
     tasks = {"pipeline p=2 m=4 1F1B": 16, "pipeline p=2 m=4 1F1B, recompute": 16,
              "pipeline p=2 m=4 interleaved v=2": 32, "2 stages on 1 device, m=4": 16}
@@ -658,7 +659,7 @@ def bench_overhead(device_names: Sequence[str], quick: bool = False) -> dict:
     report = overhead_report(step_s)
     print(timing.format_ratios(step_s, "keras fit"))
     for name, per_task in report["per_task_s"].items():
-        again = " (with the recomputed forward)" if "recompute" in name else ""
+        again = " (with stage 0's recomputed forward)" if "recompute" in name else ""
         print(f"per-task overhead, {name}: {per_task * 1e3:.2f} ms{again}")
     measured = timing.measure_ceiling()
     print(timing.ceiling_line(measured))

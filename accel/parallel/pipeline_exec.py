@@ -46,7 +46,8 @@ and run with the placement the devices follow (``pipeline.infer_placement``):
   applies one update per batch.
 
 The run returns each device's log ``(task, start, end)`` (from ``clock``), the order in which it
-ran its tasks, and the peak number of stashed micro-batches per stage, counted as it runs.
+ran its tasks, the peak number of stashed micro-batches per stage, counted as it runs, and the
+``(stage, micro-batch)`` pairs whose forward ran in their backward task.
 ``Pipeline`` builds the stages from a Keras ``Sequential``.
 """
 
@@ -487,7 +488,7 @@ def deferred_forwards(stages: Sequence[Stage], orders: Sequence[Sequence[Task]],
     keeps the input; B does the forward, the loss and the backward, as ``fit``'s step does,
     without an eager tape, and the micro-batch's loss comes from it."""
     last = len(stages) - 1
-    if not stages[last].traced or any(t[2] == "W" for order in orders for t in order):
+    if not stages[last].traced or splits_backward(orders):
         return set()
     deferred = set()
     for order in orders:
@@ -597,11 +598,12 @@ class Pipeline(Form):
     its stage's layers, recorded by an eager ``GradientTape`` whose gradient is one call of
     the function's traced backward; on the last stage, where the schedule runs a backward right
     after its forward (1F1B), the B task runs the forward, the loss and the backward in one
-    traced call, as ``fit``'s step does (``deferred_forwards``); with ``recompute=True`` every
-    backward task is one traced call that runs the forward again and differentiates it
-    (``python -m accel bench pipeline-overhead`` measures what a task costs beyond its
-    compute). Keras's ``fit`` compiles one function per step. ``recompute=True``
-    keeps only each stage's input and runs its forward again in the backward (refused for
+    traced call, as ``fit``'s step does (``deferred_forwards``); with ``recompute=True`` (and
+    no W tasks) every backward task is one traced call that runs the forward again and
+    differentiates it, on a traced last stage the forward's only run (``python -m accel bench
+    pipeline-overhead`` measures what a task costs beyond its compute). Keras's ``fit``
+    compiles one function per step. ``recompute=True`` keeps only each stage's input and
+    runs its forward again in the backward (refused for
     layers with non-trainable state: BatchNormalization, whose moving statistics would be
     updated twice, or Dropout, whose second forward would draw another mask).
 
