@@ -134,7 +134,8 @@ class Stage:
         ``_Run.backward`` seeds them (``output_grads``: the next stage's, ``None`` on the last
         stage; ``loss_scale`` or ``None``), and, with ``loss_fn`` (the last stage), the
         micro-batch's weighted loss (else ``None``). ``sums``: the parameters' gradients of the
-        earlier micro-batches, added in the same call (their sums returned instead). An eager
+        earlier micro-batches, added in the same call (their sums returned instead; ``None``
+        entries are left out). An eager
         tape around the forward's call and its ``gradient`` cost 1.3 ms on the overhead
         benchmark's 2-layer stage; the one call 0.67."""
         key = ("forward and backward", id(loss_fn), input_grads)
@@ -372,17 +373,17 @@ class _Run:
         output_grads = None if last else self.input_grads.pop((s + 1, i))
         # stage 0 needs no gradient of its input; the others, of each float tensor received
         inputs = [] if s == 0 else km.float_tensors(tf.nest.flatten(saved[0]))
-        summed = False
+        summed = None
         with tf.device(stage.device):
             if (s, i) in self.deferred or (self.recompute and stage.traced and not self.split):
-                # the sums so far join the call, unless sparse (their rows grow at each add,
-                # which would trace the function again for every micro-batch)
-                sums = self.grads[s]
-                summed = sums is not None and not any(map(km.is_sparse, sums))
+                # the sums so far join the call, but for sparse ones (their rows grow at each
+                # add, which would trace the function again for every micro-batch): None there
+                if self.grads[s] is not None:
+                    summed = [None if km.is_sparse(a) else a for a in self.grads[s]]
                 out, grads = stage.forward_and_gradients(  # one call: forward, backward
                     self.loss_fn if last else None, s > 0, saved[0],
                     self.micro[i][1] if last else None, self.share(s, i), output_grads,
-                    self.loss_scale, sums if summed else None)
+                    self.loss_scale, summed)
                 if last:
                     self.losses[i] = out
             else:
@@ -411,13 +412,16 @@ class _Run:
         del tape
         self._accumulate(s, grads)
 
-    def _accumulate(self, s: int, grads, summed: bool = False) -> None:
-        """Add a micro-batch's parameter gradients to stage ``s``'s sum (``summed``: ``grads``
-        is the new sum already); one stash fewer."""
-        acc = None if summed else self.grads[s]
+    def _accumulate(self, s: int, grads, summed: list | None = None) -> None:
+        """Add a micro-batch's parameter gradients to stage ``s``'s sum (``summed``: the sums
+        that ``grads`` holds already, ``None`` where it holds the micro-batch's own); one
+        stash fewer."""
+        acc = self.grads[s]
+        summed = [None] * len(grads) if summed is None else summed
         # an embedding's IndexedSlices accumulate as slices (every micro-batch's rows)
-        self.grads[s] = list(grads) if acc is None else [km.merge_gradients([a, g]) for a, g in
-                                                         zip(acc, grads, strict=True)]
+        self.grads[s] = list(grads) if acc is None else [
+            g if done is not None else km.merge_gradients([a, g])
+            for a, g, done in zip(acc, grads, summed, strict=True)]
         with self.lock:
             self.held[s] -= 1
 
