@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -212,11 +213,10 @@ def lockstep_idle(works: list[Callable[[], object]], rounds: int = 40, warmup: i
     """The idle share of ``works`` (one zero-argument function per thread) run in lock-step:
     each round every thread starts its work at a barrier and the round ends with the last of
     them; idle share = 1 - (the works' summed time) / (threads x the rounds' summed span). Equal
-    works on free cores idle little; what they idle here is the floor a pipeline's steady state
-    (a device waits for its neighbour's task every round) meets on this machine beyond its
-    schedule's bubble. ``warmup`` rounds are not counted."""
-    import threading
-
+    works on free cores idle little; what they idle here is what jitter alone costs devices that
+    wait for each other every round: about the most it costs a pipeline's steady state beyond its
+    schedule's bubble (a device waits for its neighbour's task, with some slack). ``warmup``
+    rounds are not counted."""
     if len(works) < 2:
         raise ValueError(f"lock-step needs at least 2 works, got {len(works)}")
     checks.positive_int("rounds", rounds)

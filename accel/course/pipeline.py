@@ -515,7 +515,8 @@ def bench_keras(device_names: Sequence[str], quick: bool = False) -> dict:
     same schedules with tasks that hold no core (``measure_waiting_bubble``: 10 ms forwards):
     the executor's own share of the idle time, apart from two devices sharing two cores. Last,
     no pipeline: two equal works in lock-step, one per device (``timing.measure_lockstep_floor``,
-    as TensorFlow functions and in NumPy), the idle a steady state pays on this machine."""
+    as TensorFlow functions and in NumPy), what jitter alone costs devices that wait for each
+    other here."""
     kw = dict(microbatches=(2,) if quick else (2, 4, 8, 16), repeat=1 if quick else 3,
               width=32 if quick else 512, layers=4 if quick else 8, microbatch=8 if quick else 128)
     waiting = dict(microbatches=kw["microbatches"], repeat=kw["repeat"],

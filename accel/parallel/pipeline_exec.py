@@ -135,9 +135,8 @@ class Stage:
         stage; ``loss_scale`` or ``None``), and, with ``loss_fn`` (the last stage), the
         micro-batch's weighted loss (else ``None``). ``sums``: the parameters' gradients of the
         earlier micro-batches, added in the same call (their sums returned instead; ``None``
-        entries are left out). An eager
-        tape around the forward's call and its ``gradient`` cost 1.3 ms on the overhead
-        benchmark's 2-layer stage; the one call 0.67."""
+        entries are left out). An eager tape around the forward's call and its ``gradient``
+        cost 1.3 ms on the overhead benchmark's 2-layer stage; the one call 0.67."""
         key = ("forward and backward", id(loss_fn), input_grads)
         if key not in self._traced_fns:
             def back(x, y, share, output_grads, loss_scale, sums):
