@@ -261,7 +261,7 @@ def _tf_chain(device: str, x, w, layers: int) -> Callable[[], object]:
     with tf.device(device):
         xt, wt = tf.constant(x), tf.constant(w)
 
-        @tf.function
+        @tf.function(autograph=False)
         def chain(h):
             for _ in range(layers):
                 h = tf.nn.relu(tf.matmul(h, wt))

@@ -58,6 +58,7 @@ def make_update(optimizer, variables: Sequence, device: str | None = None,
         if key not in compiled:
             held = [v for _, v in pairs]
             compiled[key] = tf.function(
-                lambda grads: optimizer.apply_gradients(zip(grads, held, strict=True)))
+                lambda grads: optimizer.apply_gradients(zip(grads, held, strict=True)),
+                autograph=False)
         return compiled[key]([g for g, _ in pairs])
     return apply

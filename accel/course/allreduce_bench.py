@@ -58,9 +58,9 @@ def bench(device_names: Sequence[str], quick: bool = False) -> dict:
                          f"{t / base:.2f}x unpacked")
     xs = placed(devs, count)
     t32 = timing.time_fn(tf.function(lambda: [y[:1] for y in collectives.all_reduce(
-        xs, devs, "ring")]), repeat)
+        xs, devs, "ring")], autograph=False), repeat)
     t16 = timing.time_fn(tf.function(lambda: [y[:1] for y in collectives.compressed_all_reduce(
-        xs, devs)]), repeat)
+        xs, devs)], autograph=False), repeat)
     b32 = collectives.sent_bytes(lambda xs: collectives.all_reduce(xs, devs, "ring"), xs)
     b16 = collectives.sent_bytes(lambda xs: collectives.compressed_all_reduce(xs, devs), xs)
     out["fp16/fp32 time"], out["fp16/fp32 bytes"] = t16 / t32, max(b16.values()) / max(

@@ -123,8 +123,8 @@ def inprocess_times(device_names: Sequence[str], count: int, repeat: int = 5) ->
     xs = placed(devs, count)
     out = {}
     for alg in collectives.ALGORITHMS:
-        fn = tf.function(lambda xs, alg=alg: [y[:1] for y in collectives.all_reduce(xs, devs,
-                                                                                       alg)])
+        fn = tf.function(lambda xs, alg=alg: [y[:1] for y in collectives.all_reduce(xs, devs, alg)],
+                         autograph=False)
         out[alg] = timing.time_fn(lambda fn=fn: [v.numpy() for v in fn(xs)], repeat)
     for name in TF_IMPLEMENTATIONS:
         out[f"tf {name}"] = timing.time_fn(
@@ -277,7 +277,7 @@ def worker(sizes: Sequence[int], repeat: int, chain: int = CHAIN) -> dict:
     for nbytes in sizes:
         x = tf.fill([nbytes // 4], float(rank + 1))
 
-        @tf.function
+        @tf.function(autograph=False)
         def tf_ring(x=x):
             return strategy.run(summed, args=(x,))[-1:]
 
@@ -306,7 +306,7 @@ def client(cluster: dict, sizes: Sequence[int], repeat: int, chain: int = CHAIN,
     devs = [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(n)]
 
     def chained(algorithm):
-        @tf.function
+        @tf.function(autograph=False)
         def run(xs):  # `chain` all-reduces in a row, each of the one before's result
             for _ in range(chain):
                 xs = collectives.all_reduce(xs, devs, algorithm)

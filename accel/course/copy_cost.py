@@ -60,7 +60,7 @@ def chain_function(devices: Sequence[str], length: int) -> tf.types.experimental
     if length < 1 or not devices:
         raise ValueError(f"need length >= 1 and at least one device, got {length=}, {devices=}")
 
-    @tf.function
+    @tf.function(autograph=False)
     def chain(x):
         for i in range(length):
             with tf.device(devices[i % len(devices)]):
@@ -73,7 +73,7 @@ def chain_function(devices: Sequence[str], length: int) -> tf.types.experimental
 def consume_function(device: str) -> tf.types.experimental.GenericFunction:
     """A ``tf.function`` that reduces its (large) input on ``device``."""
 
-    @tf.function
+    @tf.function(autograph=False)
     def consume(x):
         with tf.device(device):
             return tf.reduce_sum(x * 2.0)

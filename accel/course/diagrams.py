@@ -51,7 +51,7 @@ def demo_placement() -> Placement:
     """
     import tensorflow as tf
 
-    @tf.function
+    @tf.function(autograph=False)
     def program(x, y):
         with tf.device("/cpu:0"):
             a, b = tf.multiply(x, 2.0, name="a"), tf.multiply(y, 3.0, name="b")

@@ -269,7 +269,7 @@ def measure_input(feeds: dict[str, tf.data.Dataset], x: np.ndarray, y: np.ndarra
         model = models.keras_mlp([x.shape[-1], *hidden, y.shape[-1]])
     optimizer = tf.keras.optimizers.SGD(0.001)
 
-    @tf.function
+    @tf.function(autograph=False)
     def train(xb, yb):
         with tf.device(device), tf.GradientTape() as tape:
             loss = tf.reduce_mean(squared_error(yb, model(xb, training=True)))

@@ -143,7 +143,7 @@ def rnn_forward(device_names: Sequence[str], mode: str = "wavefront", layers: in
             weights.append(tf.Variable(rng.normal(0, (2 * h_dim) ** -0.5, (2 * h_dim, h_dim))
                                        .astype(np.float32)))
 
-    return tf.function(lambda xs: _rnn_body(device_names, weights, xs, mode))
+    return tf.function(lambda xs: _rnn_body(device_names, weights, xs, mode), autograph=False)
 
 
 def _rnn_body(device_names, weights, xs, mode: str):
@@ -649,7 +649,7 @@ def split_bytes(name: str, devices: Sequence[str], seed: int = 0) -> dict[str, i
     itself sent to the second device, part of forward)."""
     forward, variables, shape = SPLITS[name](devices, np.random.default_rng(seed))
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x):
         _sgd_ops(forward, variables, x)  # returns nothing: no value comes back
     moved = trace.transfers_of(step, tf.ones((SPLIT_BATCH, *shape)))

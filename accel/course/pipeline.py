@@ -66,7 +66,7 @@ def square_stages(devices: Sequence[str], balance: Sequence[int], width: int = 5
                 x = tf.nn.relu(tf.matmul(x, w))
             return x
 
-        stages.append(pe.Stage(tf.function(fn) if traced else fn, ws, device))
+        stages.append(pe.Stage(tf.function(fn, autograph=False) if traced else fn, ws, device))
     return stages
 
 

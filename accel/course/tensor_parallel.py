@@ -91,7 +91,7 @@ def train_steps(device_names: Sequence[str], n: int, kind: str = "mlp", batch: i
         single_v = {k: tf.Variable(a) for k, a in params.items()}
         xt, yt = tf.constant(x), tf.constant(y)
 
-    @tf.function
+    @tf.function(autograph=False)
     def single():
         with tf.device(devs[0]), tf.GradientTape() as tape:
             loss = _loss(one(single_v, xt), yt)
@@ -103,7 +103,7 @@ def train_steps(device_names: Sequence[str], n: int, kind: str = "mlp", batch: i
     shards = tp.to_variables(tp.shard(params, n, heads if kind == "block" else None), devs)
     xs, ys = collectives.place(x, devs), collectives.place(y, devs)
 
-    @tf.function
+    @tf.function(autograph=False)
     def hand():
         with tf.GradientTape() as tape:
             outs = many(shards, xs)
@@ -123,7 +123,7 @@ def train_steps(device_names: Sequence[str], n: int, kind: str = "mlp", batch: i
         rep = dmesh.layout(mesh, [None, None, None])
         xd, yd = dmesh.put(x, rep), dmesh.put(y, rep)
 
-        @tf.function
+        @tf.function(autograph=False)
         def dtensor_step():
             with tf.GradientTape() as tape:
                 loss = _loss(tp.mlp(dv, xd), yd)

@@ -93,7 +93,7 @@ def packing_times(device_names: Sequence[str], tensors: int = 64, size: int = 25
     for pack in pack_bytes:
         fn = tf.function(lambda g, pack=pack: [
             tf.stack([tf.reduce_sum(t) for t in ys])
-            for ys in collectives.packed_all_reduce(g, devs, pack, "ring")[0]])
+            for ys in collectives.packed_all_reduce(g, devs, pack, "ring")[0]], autograph=False)
         calls[pack] = len(collectives.pack_buckets([4 * size] * tensors, pack))
         fns[pack] = lambda fn=fn: [v.numpy() for v in fn(grads)]
     return _timed(fns, calls, repeat, rounds, with_spread)
@@ -120,7 +120,8 @@ def tf_packing(device_names: Sequence[str], tensors: int = 64, size: int = 256,
         options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=pack)
         fn = tf.function(lambda options=options: [
             strategy.experimental_local_results(r)[0] for r in strategy.extended.batch_reduce_to(
-                tf.distribute.ReduceOp.SUM, [(v, v) for v in values], options=options)])
+                tf.distribute.ReduceOp.SUM, [(v, v) for v in values], options=options)],
+            autograph=False)
         ops = fn.get_concrete_function().graph.get_operations()
         calls[pack] = sum(op.type.startswith("CollectiveReduce") for op in ops) // len(devs)
         if not np.allclose([v.numpy() for v in fn()], exact, rtol=1e-5, atol=1e-5):
@@ -232,7 +233,7 @@ def pack_step(strategy, model, x, y, bytes_per_pack: int, reverse: bool = False)
             grads = grads[::-1]
         return tf.distribute.get_replica_context().all_reduce("sum", grads, options=options)
 
-    return tf.function(lambda: strategy.run(replica, (x, y)))
+    return tf.function(lambda: strategy.run(replica, (x, y)), autograph=False)
 
 
 def layer_pack_step(strategy, model, x, y):
@@ -273,7 +274,7 @@ def layer_pack_step(strategy, model, x, y):
                     upstream = tape.gradient(h_out, h_in, output_gradients=upstream)
         return summed
 
-    return tf.function(lambda: strategy.run(replica, (x, y)))
+    return tf.function(lambda: strategy.run(replica, (x, y)), autograph=False)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def tape_kept_tensors(model, x) -> list[tuple[str, tuple, str]]:
     as a ``tf.function`` graph, where every gradient op names its inputs. Not counted: variable
     reads (the weights themselves), the input batch, shape-only uses; a reshape counts as the
     tensor it views. The loss is a plain mean (its gradient needs only a shape)."""
-    @tf.function
+    @tf.function(autograph=False)
     def grads(inp):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.cast(model(inp, training=True), tf.float32))

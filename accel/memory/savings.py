@@ -82,7 +82,7 @@ def measure_variants(batch: int = 512, blocks: int = 8, width: int = 64, repeat:
         checks.one_of("variant", name, VARIANTS)
     params = residual_mlp(blocks, width)
     x = tf.constant(np.random.default_rng(1).normal(size=(batch, width)).astype(np.float32))
-    steps = {name: tf.function(lambda name=name: gradient_step(params, x, name))
+    steps = {name: tf.function(lambda name=name: gradient_step(params, x, name), autograph=False)
              for name in variants}
     out = {}
     for name, step in steps.items():
@@ -108,7 +108,7 @@ def measure_peaks(batch: int = 512, blocks: int = 8, width: int = 64,
     x = tf.constant(np.random.default_rng(1).normal(size=(batch, width)).astype(np.float32))
     out = {}
     for name in variants:
-        step = tf.function(lambda name=name: gradient_step(params, x, name))
+        step = tf.function(lambda name=name: gradient_step(params, x, name), autograph=False)
         step()[0].numpy()  # trace once
         peak, _ = peak_during(lambda step=step: step()[0].numpy(), memory_device())
         out[name] = peak / MIB
@@ -123,7 +123,7 @@ def forward_seconds(batch: int = 512, blocks: int = 8, width: int = 64, repeat: 
     params = residual_mlp(blocks, width)
     x = tf.constant(np.random.default_rng(1).normal(size=(batch, width)).astype(np.float32))
 
-    @tf.function
+    @tf.function(autograph=False)
     def forward():
         h = x
         for w1, w2 in params:

@@ -375,7 +375,7 @@ def make_single_step(model_fn: Callable | None, loss_fn: Callable, params_or_mod
     forward, variables = _model_parts(model_fn, params_or_model, device)
     update = make_update(optimizer, variables, device)
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x, y):
         with tf.device(device):
             with tf.GradientTape() as tape:

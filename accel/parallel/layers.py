@@ -93,7 +93,7 @@ def run_layers(specs: Sequence[LayerSpec], params: Sequence[Sequence], x):
 
 
 def _grad_step(spec: LayerSpec, params: list, device: str):
-    @tf.function
+    @tf.function(autograph=False)
     def step(x):
         with tf.device(device), tf.GradientTape() as tape:
             tape.watch(x)

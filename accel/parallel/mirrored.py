@@ -74,7 +74,7 @@ def make_mirrored_step(strategy: tf.distribute.Strategy, model: tf.keras.Model,
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(batch):
         per_replica = strategy.run(replica_step, args=batch)
         return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)

@@ -225,13 +225,13 @@ def make_split_step(model: SplitModel | Partition, loss_fn: Callable, optimizer,
                 pairs += average_gradients(own) if len(reps) > 1 else own[0]
         return tf.add_n(losses) / float(len(losses)), pairs
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x, y):
         loss, pairs = compute(x, y)
         update(pairs)
         return loss
 
-    @tf.function
+    @tf.function(autograph=False)
     def gradients(x, y):
         loss, pairs = compute(x, y)
         return loss, [g for g, _ in pairs]
@@ -356,8 +356,8 @@ class ModelParallel(Form):
             # tf.function, Keras would put them all on one device)
             opt.build(self.variables(r))
         self._compute = self._make_compute()
-        self._apply_step = tf.function(self._apply)
-        self._grads = tf.function(self._compute)
+        self._apply_step = tf.function(self._apply, autograph=False)
+        self._grads = tf.function(self._compute, autograph=False)
 
     def variables(self, replica: int = 0, part: int | None = None) -> list:
         """A replica's trainable variables (of one part, or of all in order)."""

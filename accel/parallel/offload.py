@@ -85,7 +85,7 @@ class OffloadStep:
                 self.master.append(tf.Variable(part, dtype=dtype))
                 self.slots.append([tf.Variable(tf.zeros(len(part), dtype)) for _ in "mv"])
             self.iterations = tf.Variable(0.0, dtype=dtype)
-        self.step = tf.function(self._step)
+        self.step = tf.function(self._step, autograph=False)
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of the variables each device holds (accelerators: the full weights; host:

@@ -69,7 +69,7 @@ def worker_batches(x, y, num_workers: int, batch_size: int) -> list[list[tuple]]
 
 @functools.lru_cache(maxsize=64)  # one traced step per (model, loss, device)
 def _grad_fn(model_fn: Callable, loss_fn: Callable, device: str):
-    @tf.function
+    @tf.function(autograph=False)
     def grad_step(params, x, y):
         with tf.device(device):
             with tf.GradientTape() as tape:
@@ -82,7 +82,8 @@ def _grad_fn(model_fn: Callable, loss_fn: Callable, device: str):
 
 @functools.lru_cache(maxsize=64)  # one traced full-data loss per (model, loss): not per run
 def _loss_fn(model_fn: Callable, loss_fn: Callable):
-    return tf.function(lambda p, xs, ys: tf.reduce_mean(loss_fn(ys, model_fn(p, xs))))
+    return tf.function(lambda p, xs, ys: tf.reduce_mean(loss_fn(ys, model_fn(p, xs))),
+                       autograph=False)
 
 
 class _Server:

@@ -112,7 +112,8 @@ class Stage:
         if key not in self._traced_fns:
             def out(x, y, share):
                 return self._forward(loss_fn, input_grads, x, y, share)
-            self._traced_fns[key] = (tf.function(out) if self.traced else out, loss_fn)
+            fn = tf.function(out, autograph=False) if self.traced else out
+            self._traced_fns[key] = (fn, loss_fn)
         return self._traced_fns[key][0]
 
     def output(self, loss_fn: Callable | None, input_grads: bool, x, y, share):
@@ -151,7 +152,7 @@ class Stage:
                         grads[len(inputs):] = [km.merge_gradients([a, g]) for a, g in
                                                zip(sums, grads[len(inputs):], strict=True)]
                 return (out if loss_fn is not None else None), grads
-            self._traced_fns[key] = tf.function(back)
+            self._traced_fns[key] = tf.function(back, autograph=False)
         return self._concrete(key, self._traced_fns[key], x, y, share, output_grads, loss_scale,
                               sums)
 

@@ -229,7 +229,7 @@ def train_loop(strategy: tf.distribute.Strategy, make_model: Callable[[], tf.ker
             lambda: strategy.distribute_datasets_from_function(numbered_fn))
         iterator = iter(per_worker)
 
-        @tf.function
+        @tf.function(autograph=False)
         def scheduled_step(it):
             batch, number = next(it)
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()

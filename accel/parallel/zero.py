@@ -138,7 +138,7 @@ class ZeroStep:
                 self.vars["optimizer"].append(
                     [tf.Variable(tf.zeros(len(f), self.dtype)) for f in o_like for _ in (0, 1)])
                 self.iterations.append(tf.Variable(0.0, dtype=self.dtype))
-        self.step = tf.function(self._step)
+        self.step = tf.function(self._step, autograph=False)
 
     # -- what each device holds --------------------------------------------------------------
     def held_bytes(self) -> dict[str, dict[str, int]]:

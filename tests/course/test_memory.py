@@ -125,7 +125,9 @@ def test_chains_never_overlap_on_one_inter_op_thread_and_do_on_two():
     two = tf.compat.v1.Session(graph=graph, config=memory_config.tf1_config(
         inter_op_threads=2, use_per_session_threads=True))
     assert [course_memory.overlapping_pairs(one, fetches) for _ in range(3)] == [0, 0, 0]
-    assert max(course_memory.overlapping_pairs(two, fetches) for _ in range(5)) > 0
+    # two threads overlap only when the OS runs both at once: on a loaded 2-core machine (the
+    # suite's three workers) a run can go by without it, so try until one overlaps
+    assert any(course_memory.overlapping_pairs(two, fetches) > 0 for _ in range(30))
     # both sessions compute the same sums (one graph, seeded ops)
     assert one.run(fetches) == pytest.approx(two.run(fetches), rel=1e-5)
 
