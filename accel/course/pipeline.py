@@ -752,21 +752,21 @@ def _smallest_interleaved_m(start: int, num_stages: int, num_chunks: int) -> int
 
 
 def exercise_answers() -> dict[int, float | list[int]]:
-    """What the exercises' runs give: 1, ZB-H1's simulated step over 1F1B's (p = 4, m = 16,
-    F = 1; 1F1B's backward 2; ZB-H1's B = 1 and W = 2, a W that repeats the input-gradient chain
-    as this executor's two-tape split does); 2, GPipe with recomputation (each backward runs the
-    forward again: B = 3) over 1F1B (F = 1, B = 2), simulated; 3, the forwards each device runs
-    before its first backward in interleaved 1F1B (p = 4, v = 2, m = 8), counted on
-    ``pipeline.interleaved_orders``; 4, the fewest micro-batches, at least 6, that interleaved
-    1F1B with p = 4, v = 2 accepts."""
+    """What the exercises' runs give (p = 4, F = 1): 1, ZB-H1's simulated step over 1F1B's
+    (m = 16; 1F1B's B 2; ZB-H1's B 1 and W 2, a W that repeats the input-gradient chain as this
+    executor's two-tape split does); 2, the slowest over the fastest of three ways to fit 16
+    micro-batches (B = 2) in a stash of 4: GPipe recomputing (B = 3), 1F1B, four GPipe flushes
+    of 4, simulated; 3, the forwards each device runs before its first backward in interleaved
+    1F1B (v = 2, m = 8), counted on ``pipeline.interleaved_orders``; 4, the fewest micro-batches,
+    at least 6, that interleaved 1F1B with v = 2 accepts."""
     def unit(task):
         return 2.0 if task[2] == "B" else 1.0
 
     orders = pl.one_f_one_b_orders(16, 4)
     zb = _simulated_span(pl.zb_h1_orders(16, 4), lambda t: 2.0 if t[2] == "W" else 1.0)
-    recompute = _simulated_span(pl.gpipe_orders(16, 4), lambda t: 3.0 if t[2] == "B" else 1.0)
-    return {1: zb / _simulated_span(orders, unit),
-            2: recompute / _simulated_span(orders, unit),
+    fits = [_simulated_span(pl.gpipe_orders(16, 4), lambda t: 3.0 if t[2] == "B" else 1.0),
+            _simulated_span(orders, unit), 4 * _simulated_span(pl.gpipe_orders(4, 4), unit)]
+    return {1: zb / _simulated_span(orders, unit), 2: max(fits) / min(fits),
             3: [_forwards_before_backward(o) for o in pl.interleaved_orders(8, 4, 2)],
             4: _smallest_interleaved_m(6, 4, 2)}
 
@@ -781,7 +781,7 @@ def check_exercise(number: int, answer) -> str:
     want = exercise_answers()[number]
     hints = {1: "the W put off into the drain now takes two ticks: count the work per stage, "
                 "then what is left of the bubble",
-             2: "recomputation adds one forward to every backward; 1F1B adds nothing",
+             2: "each flush takes (m + p - 1)(F + B): count the flushes and what recomputing adds",
              3: "the warm-up forwards are 2(p - d - 1) + (v - 1)p on device d; the steady "
                 "state then starts with one more forward before its first backward",
              4: "a device runs chunk 0 for p micro-batches, then chunk 1 for the same p: the "
