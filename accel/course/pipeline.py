@@ -755,7 +755,7 @@ def exercise_answers() -> dict[int, float | list[int]]:
     """What the exercises' runs give (p = 4, F = 1): 1, ZB-H1's simulated step over 1F1B's
     (m = 16; 1F1B's B 2; ZB-H1's B 1 and W 2, a W that repeats the input-gradient chain as this
     executor's two-tape split does); 2, the slowest over the fastest of three ways to fit 16
-    micro-batches (B = 2) in a stash of 4: GPipe recomputing (B = 3), 1F1B, four GPipe flushes
+    micro-batches (B = 2) in room for 5: GPipe recomputing (B = 3), 1F1B, four GPipe flushes
     of 4, simulated; 3, the forwards each device runs before its first backward in interleaved
     1F1B (v = 2, m = 8), counted on ``pipeline.interleaved_orders``; 4, the fewest micro-batches,
     at least 6, that interleaved 1F1B with v = 2 accepts."""

@@ -32,7 +32,8 @@ def test_chapter_10_exercise_solutions():
     # 1F1B (F = 1, B = 2): 3 (m + p - 1) = 57 ticks
     assert check_exercise(1, 67 / 57) == "exercise 1: correct"
     assert check_exercise(1, 0.89).startswith("exercise 1: not quite")  # W = 1: 51 / 57
-    # three ways to fit m = 16 in a stash of 4 (F = 1, B = 2, p = 4), each flush taking
+    # three ways to fit m = 16 in room for 5 micro-batches' activations (F = 1, B = 2,
+    # p = 4; recomputing keeps 16 inputs, a quarter each, plus 1 rebuilt), each flush taking
     # (m + p - 1)(F + B) ticks: 1F1B 19 * 3 = 57; GPipe recomputing (B = 3) 19 * 4 = 76; four
     # GPipe flushes of 4: 4 * 7 * 3 = 84. The slowest over the fastest: 84 / 57
     assert check_exercise(2, 84 / 57) == "exercise 2: correct"
