@@ -47,7 +47,8 @@ from accel.procs import (
     wait_for_reports,
 )
 
-__all__ = ["coordinated_run", "mirrored_run", "gated_step", "schedule_and_join", "mirrored_step"]
+__all__ = ["coordinated_run", "mirrored_run", "coordinator_setup", "gated_step",
+           "schedule_and_join", "mirrored_step", "mirrored_worker"]
 
 IN_FLIGHT = "in flight: "  # the coordinator's line that asks the caller to kill a worker now
 
@@ -139,8 +140,9 @@ def mirrored_run(model_fn: Callable, init: list[np.ndarray], batches: list,
 def gated_step(params, applied, finished, gate, xs, ys, model_fn, learning_rate):
     """The function the coordinator schedules once per global batch ``s``: SGD on the ps's
     weights, counted there, then a wait at ``gate`` (a queue on the ps) before it counts as
-    finished. ``tf.function`` orders stateful ops only on the same resource, so the order
-    (weights, then the counter, then the gate) is made explicit with control dependencies. The
+    finished. ``tf.function``'s automatic control dependencies add no edge between ops on
+    different resources, so the order (weights, then the counter, then the gate) is made
+    explicit with control dependencies. The
     token passes through the worker, so a function cut off with its worker never counts."""
 
     @tf.function
@@ -170,16 +172,25 @@ def schedule_and_join(coordinator, step, steps: int, gate, tokens: int, in_fligh
     coordinator.join()  # raises if a ps is lost; a lost worker's functions run elsewhere
 
 
-def _coordinator(spec: dict) -> dict:
-    cluster, _, _ = parse_tf_config(os.environ["TF_CONFIG"])
+def coordinator_setup(cluster: dict, init: list) -> tuple:
+    """The coordinator's side of ``ParameterServerStrategy``, in the chief's process: the
+    strategy over ``cluster`` (a ``{job: [address, ...]}`` dict), its ``ClusterCoordinator``, and
+    the weights (from ``init``) and two counters, made in ``strategy.scope()`` so that the
+    strategy places them on the ps tasks. Returns ``(coordinator, params, applied, finished)``."""
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster), rpc_layer="grpc", task_type="chief", task_id=0)
     strategy = tf.distribute.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    with strategy.scope():
-        params = [tf.Variable(np.array(p, np.float32)) for p in spec["init"]]
+    with strategy.scope():  # variables made here live on the ps, round-robin
+        params = [tf.Variable(np.array(p, np.float32)) for p in init]
         applied = tf.Variable(0, dtype=tf.int64)
         finished = tf.Variable(0, dtype=tf.int64)
+    return coordinator, params, applied, finished
+
+
+def _coordinator(spec: dict) -> dict:
+    cluster, _, _ = parse_tf_config(os.environ["TF_CONFIG"])
+    coordinator, params, applied, finished = coordinator_setup(cluster, spec["init"])
     xs, ys = np.array(spec["x"], np.float32), np.array(spec["y"], np.float32)
     steps, workers, kill = len(xs), len(cluster["worker"]), spec.get("kill", False)
     tokens = 2 * steps + workers + 2  # enough for every function, retries included
@@ -233,7 +244,11 @@ def mirrored_step(strategy, params, model_fn, learning_rate):
     return step
 
 
-def _mirrored(spec: dict) -> dict:
+def mirrored_worker(spec: dict) -> dict:
+    """What each worker process runs under ``MultiWorkerMirroredStrategy``: the strategy (from
+    ``TF_CONFIG``; it starts this task's server and joins the others), its copy of the weights,
+    made in ``strategy.scope()``, then ``mirrored_step`` on this worker's slice of every global
+    batch. ``spec``: the problem ``mirrored_run`` writes. Returns the final weights."""
     strategy = tf.distribute.MultiWorkerMirroredStrategy()  # reads TF_CONFIG
     _, _, index = parse_tf_config(os.environ["TF_CONFIG"])
     n = strategy.num_replicas_in_sync
@@ -255,6 +270,6 @@ if __name__ == "__main__":
     with open(sys.argv[2]) as f:
         spec = json.load(f)
     if sys.argv[1] == "mirrored":  # ends with the other workers (see report_and_linger)
-        report_and_linger(_mirrored(spec))
+        report_and_linger(mirrored_worker(spec))
     print(json.dumps(_coordinator(spec)), flush=True)
     os._exit(0)  # the coordinator's threads would keep a finished process alive
